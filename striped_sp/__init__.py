@@ -1,0 +1,17 @@
+"""striped_sp: exact striped ring attention (context parallelism) for causal transformer training."""
+
+from .attention import ring_attention, striped_attention
+from .layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ring_attention",
+    "striped_attention",
+    "positions",
+    "shard",
+    "unshard",
+    "get_layout",
+    "LAYOUTS",
+    "BlockCall",
+]

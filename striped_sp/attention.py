@@ -1,0 +1,190 @@
+"""Exact ring attention: the autograd function, the merge and the public entry points."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .kernels import Kernel, resolve_kernel
+from .layouts import Layout, get_layout
+from .ring import Ring
+
+__all__ = ["ring_attention", "striped_attention", "merge_block"]
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's result into the running accumulators, in place.
+
+    ``out``: float32 ``[b, s, h, d]``; ``lse``: float32 ``[b, h, s]`` (views of the accumulators
+    for the block's query rows); ``block_out`` ``[b, s, h, d]`` any float dtype; ``block_lse``
+    float32 ``[b, h, s]``.  Uses the sigmoid form of the softmax merge, which never subtracts
+    two large exponents:
+    ``out -= sigmoid(lse_b - lse) * (out - out_b)``, ``lse -= logsigmoid(lse - lse_b)``.
+    """
+    weight = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
+    out.sub_(weight * (out - block_out))
+    lse.sub_(F.logsigmoid(lse - block_lse))
+
+
+class _Accumulator:
+    """fp32 running output ``[b, s, h, d]`` and log-sum-exp ``[b, h, s]`` of the local queries."""
+
+    def __init__(self, q: torch.Tensor):
+        self.shape = q.shape
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, q_slice: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+        if self.out is None:
+            # The first call is the diagonal block (source == rank), which every layout runs
+            # over all local queries; starting from it avoids -inf arithmetic.
+            if block_out.shape != self.shape:
+                raise RuntimeError("the first ring block must cover every local query")
+            self.out = block_out.float()
+            self.lse = block_lse.clone()
+            return
+        merge_block(self.out[:, q_slice], self.lse[:, :, q_slice], block_out, block_lse)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: KV blocks go round the ring while each rank merges its queries' block results.
+    Backward: the ring again; dQ stays local, fp32 dK/dV travel with the blocks and reach their
+    owner after ``world_size`` hops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel):
+        ring = Ring(group)
+        n, rank, local_len = ring.world_size, ring.rank, q.size(1)
+        acc = _Accumulator(q)
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        for step in range(n):
+            transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
+            source = (rank - step) % n
+            for call in layout.plan(rank, source, n, local_len, causal):
+                block_out, block_lse = kernel.forward(
+                    q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv], call.causal, scale
+                )
+                acc.add(call.q, block_out, block_lse)
+            if transfer is not None:
+                k_cur, v_cur = transfer.wait()
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.kernel = group, layout, causal, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, causal, scale, kernel = ctx.layout, ctx.causal, ctx.scale, ctx.kernel
+        ring = Ring(ctx.group)
+        n, rank, local_len = ring.world_size, ring.rank, q.size(1)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        dkv_transfer = None
+        for step in range(n):
+            kv_transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
+            source = (rank - step) % n
+            block_grads = []
+            for call in layout.plan(rank, source, n, local_len, causal):
+                dq_b, dk_b, dv_b = kernel.backward(
+                    dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
+                    out[:, call.q], lse[:, :, call.q], call.causal, scale,
+                )
+                dq[:, call.q] += dq_b
+                block_grads.append((call.kv, dk_b, dv_b))
+            # The dK/dV accumulator of this block arrives while the kernels above ran.
+            if dkv_transfer is None:
+                dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            else:
+                dk_acc, dv_acc = dkv_transfer.wait()
+            for kv_slice, dk_b, dv_b in block_grads:
+                dk_acc[:, kv_slice] += dk_b
+                dv_acc[:, kv_slice] += dv_b
+            if n > 1:
+                dkv_transfer = ring.shift([dk_acc, dv_acc])
+            if kv_transfer is not None:
+                k_cur, v_cur = kv_transfer.wait()
+        if dkv_transfer is not None:
+            dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}: expected 4 dims [batch, s_local, heads, head_dim]"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes must match, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.size(0) != k.size(0):
+        raise ValueError(f"batch sizes differ: q has {q.size(0)}, k and v have {k.size(0)}")
+    if q.size(3) != k.size(3):
+        raise ValueError(f"head_dim differs: q has {q.size(3)}, k and v have {k.size(3)}")
+    if q.size(1) != k.size(1):
+        raise ValueError(f"local sequence lengths differ: q has {q.size(1)}, k and v have {k.size(1)}")
+    heads, kv_heads = q.size(2), k.size(2)
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+    layout.check_local_len(q.size(1))
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: str = "striped",
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
+
+    Args:
+        q: ``[batch, s_local, heads, head_dim]``, this rank's queries (float16/bfloat16/float32).
+        k, v: ``[batch, s_local, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads``.
+        group: the context-parallel process group (default: the default group).
+        layout: ``"striped"``, ``"zigzag"`` or ``"contiguous"``: how tokens were sharded
+            (see :func:`striped_sp.shard`).
+        causal: causal mask on *global* positions.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        backend: ``"auto"``, ``"torch"``, ``"torch_cudnn"``, ``"flash_attn"`` or ``"math"``.
+
+    Returns:
+        ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
+        belong to the local queries.  Differentiable in ``q``, ``k`` and ``v``.
+
+    Every argument is checked before any message is sent; bad ones raise ``ValueError``.
+    """
+    lay = get_layout(layout)
+    _check_inputs(q, k, v, lay)
+    kernel = resolve_kernel(backend, q.device, q.dtype)
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "no process group initialized: call torch.distributed.init_process_group() "
+                "or pass group="
+            )
+        group = dist.group.WORLD
+    scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise ValueError(f"softmax_scale={softmax_scale} must be positive")
+    return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel)
+
+
+def striped_attention(q, k, v, group=None, **kwargs) -> torch.Tensor:
+    """:func:`ring_attention` with ``layout="striped"``."""
+    if "layout" in kwargs:
+        raise ValueError("striped_attention fixes layout='striped'; call ring_attention for another layout")
+    return ring_attention(q, k, v, group, layout="striped", **kwargs)

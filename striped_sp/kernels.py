@@ -1,0 +1,284 @@
+"""Block attention kernels behind one small interface.
+
+Every kernel works on the core format ``[batch, seq, heads, head_dim]``; keys/values may have
+fewer heads (GQA/MQA: query head ``h`` uses kv head ``h // (heads // kv_heads)``).
+
+``forward(q, k, v, causal, scale) -> (out, lse)``
+    ``out``: like ``q``, in ``q.dtype``; ``lse``: float32 ``[batch, heads, seq_q]``, contiguous.
+``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``
+    ``out``/``lse`` are the *final* (merged) attention output and log-sum-exp of these query
+    rows, so the block's gradients are its exact share of the full attention's gradients.
+    ``dq``/``dk``/``dv`` have the shapes of ``q``/``k``/``v`` (kv heads, not expanded).
+
+A causal call is always square (``seq_q == seq_k``), with the diagonal kept.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+import torch
+
+__all__ = ["Kernel", "KERNELS", "available_backends", "resolve_kernel"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _group_sum(dkv_expanded: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum gradients of expanded kv heads ``[b, s, kv_heads*g, d]`` back to ``[b, s, kv_heads, d]``."""
+    b, s, h, d = dkv_expanded.shape
+    if h == kv_heads:
+        return dkv_expanded
+    return dkv_expanded.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    if x.size(2) == heads:
+        return x
+    return x.repeat_interleave(heads // x.size(2), dim=2)
+
+
+class Kernel:
+    """Interface of a block kernel.  ``name`` is the ``backend=`` string that selects it."""
+
+    name = ""
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """``None`` when the kernel runs on ``device`` with ``dtype``, else why not."""
+        raise NotImplementedError
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        raise NotImplementedError
+
+
+class MathKernel(Kernel):
+    """Matmul reference, computed in float32 (float64 for float64 inputs).  Runs anywhere."""
+
+    name = "math"
+
+    def unavailable_reason(self, device, dtype):
+        if dtype not in _FLOAT_DTYPES:
+            return f"dtype {dtype} is not one of {_FLOAT_DTYPES}"
+        return None
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        kx = _expand_kv(k, q.size(2)).to(acc)
+        s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kx) * scale
+        if causal:
+            mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
+            s = s.masked_fill(mask, float("-inf"))
+        return s, acc
+
+    def forward(self, q, k, v, causal, scale):
+        s, acc = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.size(2)).to(acc))
+        return out.to(q.dtype), lse.float().contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        s, acc = self._scores(q, k, causal, scale)
+        p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+        do = dout.to(acc)
+        vx = _expand_kv(v, q.size(2)).to(acc)
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
+        delta = (do * out.to(acc)).sum(-1).transpose(1, 2)  # [b, h, q]
+        ds = p * (dp - delta.unsqueeze(-1))
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k, q.size(2)).to(acc)) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc)) * scale
+        kvh = k.size(2)
+        return dq.to(q.dtype), _group_sum(dk, kvh).to(k.dtype), _group_sum(dv, kvh).to(v.dtype)
+
+
+class TorchKernel(Kernel):
+    """PyTorch's fused SDPA ops, called directly so that the log-sum-exp is returned.
+
+    CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (GQA native).  CUDA: the flash op for
+    fp16/bf16 on sm80+, else the memory-efficient op; the cuDNN op with ``backend="torch_cudnn"``.
+    The CUDA ops need equal head counts, so kv heads are expanded *inside* the kernel only.
+    """
+
+    name = "torch"
+
+    def __init__(self, cuda_variant: str | None = None):
+        self.cuda_variant = cuda_variant
+        if cuda_variant == "cudnn":
+            self.name = "torch_cudnn"
+
+    def unavailable_reason(self, device, dtype):
+        if device.type == "cpu":
+            if self.cuda_variant == "cudnn":
+                return "the cuDNN attention op needs a CUDA device"
+            if dtype not in _FLOAT_DTYPES:
+                return f"dtype {dtype} is not one of {_FLOAT_DTYPES}"
+            return None
+        if device.type == "cuda":
+            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                return f"dtype {dtype} is not float16, bfloat16 or float32 on CUDA"
+            if self.cuda_variant == "cudnn" and dtype not in _HALF_DTYPES:
+                return f"the cuDNN attention op needs float16 or bfloat16, got {dtype}"
+            return None
+        return f"no fused PyTorch attention op for device type '{device.type}'"
+
+    # -- CUDA op choice ------------------------------------------------------------------
+    def _cuda_op(self, q) -> str:
+        if self.cuda_variant is not None:
+            return self.cuda_variant
+        major, _ = torch.cuda.get_device_capability(q.device)
+        d = q.size(-1)
+        if q.dtype in _HALF_DTYPES and major >= 8 and d <= 256 and d % 8 == 0:
+            return "flash"
+        return "efficient"
+
+    def forward(self, q, k, v, causal, scale):
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+            )
+            return out.transpose(1, 2), lse.contiguous()
+        h = q.size(2)
+        qt = q.transpose(1, 2)
+        kt = _expand_kv(k, h).transpose(1, 2)
+        vt = _expand_kv(v, h).transpose(1, 2)
+        op = self._cuda_op(q)
+        if op == "flash":
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
+        elif op == "efficient":
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)
+        else:
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+        # The efficient op pads lse to a multiple of 32 rows; cuDNN may add a trailing 1.
+        lse = lse.reshape(lse.shape[0], lse.shape[1], -1)[:, :, : q.size(1)]
+        return out.transpose(1, 2), lse.float().contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        if q.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                out.transpose(1, 2), lse.contiguous(), 0.0, causal, scale=scale,
+            )
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        h, kvh = q.size(2), k.size(2)
+        sq, sk = q.size(1), k.size(1)
+        qt, ot, dot = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2)
+        kt = _expand_kv(k, h).transpose(1, 2)
+        vt = _expand_kv(v, h).transpose(1, 2)
+        empty = q.new_empty(0, dtype=torch.int64)
+        op = self._cuda_op(q)
+        lse = lse.contiguous()
+        if op == "flash":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dot, qt, kt, vt, ot, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
+            )
+        elif op == "efficient":
+            padded = -(-sq // 32) * 32
+            lse_p = lse.new_zeros(lse.shape[0], lse.shape[1], padded)
+            lse_p[:, :, :sq] = lse
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dot, qt, kt, vt, None, ot, lse_p, empty, empty, 0.0, [True, True, True, False], causal, scale=scale
+            )
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dot, qt, kt, vt, ot, lse.unsqueeze(-1), empty, empty, None, empty, empty, sq, sk, 0.0, causal, scale=scale
+            )
+        dk = _group_sum(dk.transpose(1, 2), kvh)
+        dv = _group_sum(dv.transpose(1, 2), kvh)
+        return dq.transpose(1, 2), dk, dv
+
+
+def _call_with_supported_kwargs(fn: Callable, **kwargs):
+    """Call ``fn`` with the keyword arguments its signature accepts (flash-attn's private
+    functions gained and renamed parameters across 2.x releases)."""
+    params = inspect.signature(fn).parameters
+    if "window_size_left" not in params and "window_size" in params:
+        kwargs["window_size"] = (kwargs.pop("window_size_left", -1), kwargs.pop("window_size_right", -1))
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+class FlashAttnKernel(Kernel):
+    """flash-attn 2's forward/backward (``flash_attn.flash_attn_interface``), GQA native.
+
+    Needs the ``flash`` extra (``pip install 'striped_sp[flash]'``) and a CUDA device.
+    """
+
+    name = "flash_attn"
+    module_name = "flash_attn.flash_attn_interface"
+
+    def _module(self):
+        return importlib.import_module(self.module_name)
+
+    def unavailable_reason(self, device, dtype):
+        try:
+            self._module()
+        except ImportError:
+            return "flash-attn is not installed: pip install 'striped_sp[flash]'"
+        if device.type != "cuda":
+            return f"flash-attn runs on CUDA devices only, got device '{device}'"
+        if dtype not in _HALF_DTYPES:
+            return f"flash-attn needs float16 or bfloat16, got {dtype}"
+        return None
+
+    def forward(self, q, k, v, causal, scale):
+        res = _call_with_supported_kwargs(
+            self._module()._flash_attn_forward,
+            q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            return_softmax=False,
+        )
+        # 2.6+: (out, lse, S_dmask, rng_state); earlier 2.x: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
+        out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+        return out, lse[:, :, : q.size(1)].float().contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_with_supported_kwargs(
+            self._module()._flash_attn_backward,
+            dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
+            dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            deterministic=False, rng_state=None,
+        )
+        return dq, dk, dv
+
+
+KERNELS: dict[str, Kernel] = {
+    k.name: k for k in (TorchKernel(), TorchKernel("cudnn"), FlashAttnKernel(), MathKernel())
+}
+BACKENDS = ("auto", *KERNELS)
+
+
+def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Names of the kernels that run on ``device`` with ``dtype``."""
+    return [n for n, k in KERNELS.items() if k.unavailable_reason(torch.device(device), dtype) is None]
+
+
+def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Kernel:
+    """The kernel for ``backend`` on ``device``/``dtype``; ``ValueError`` when unknown or unusable.
+
+    ``auto`` picks flash-attn on CUDA when importable for fp16/bf16, else PyTorch's fused ops,
+    else the math reference.
+    """
+    device = torch.device(device)
+    if backend == "auto":
+        order = ("flash_attn", "torch", "math") if device.type == "cuda" else ("torch", "math")
+        for name in order:
+            if KERNELS[name].unavailable_reason(device, dtype) is None:
+                return KERNELS[name]
+        raise ValueError(f"no attention backend runs on device '{device}' with dtype {dtype}")
+    if backend not in KERNELS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
+    kernel = KERNELS[backend]
+    reason = kernel.unavailable_reason(device, dtype)
+    if reason is not None:
+        raise ValueError(f"backend {backend!r} is not available: {reason}")
+    return kernel

@@ -1,0 +1,71 @@
+"""Run many test cases on N gloo ranks started once.
+
+``run_cases(world_size, cases)`` spawns ``world_size`` processes, starts one gloo process group,
+runs every case on every rank, and returns ``{case_name: None | "rank r: traceback"}``.
+A case is ``(name, fn, args)`` where ``fn(*args)`` is a module-level function (so it pickles).
+Start-up dominates on 2 cores, hence one spawn per module and world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+
+CASE_TIMEOUT_S = 120
+
+
+def _worker(rank, world_size, init_file, cases, results):
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S),
+    )
+    out = {}
+    for name, fn, args in cases:
+        try:
+            fn(*args)
+            out[name] = None
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            out[name] = f"rank {rank}: {traceback.format_exc()}"
+    results.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cases(world_size: int, cases: list, timeout_s: float = 600.0) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, cases, results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        merged = {name: None for name, _, _ in cases}
+        got = 0
+        try:
+            while got < world_size:
+                rank, out = results.get(timeout=timeout_s)
+                got += 1
+                for name, err in out.items():
+                    if err is not None and merged[name] is None:
+                        merged[name] = err
+        except queue.Empty:
+            for name in merged:
+                merged[name] = merged[name] or f"timed out after {timeout_s}s on {world_size} ranks"
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    return merged
