@@ -1,0 +1,134 @@
+"""Block kernels against a float64 reference, the merge, and the flash-attn adapter's plumbing."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from reference import reference_attention, rel_err
+from striped_sp.attention import merge_block
+from striped_sp.kernels import KERNELS, FlashAttnKernel, MathKernel, available_backends, resolve_kernel
+
+SCALE = 0.25
+
+
+def _inputs(s=13, h=8, kvh=2, d=16, dtype=torch.float32, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    # an extra leading query/key row so that sliced (non-contiguous-offset) views are exercised
+    q = torch.randn(2, s + 1, h, d, generator=gen).to(dtype)[:, 1:]
+    k = torch.randn(2, s + 1, kvh, d, generator=gen).to(dtype)[:, :-1]
+    v = torch.randn(2, s + 1, kvh, d, generator=gen).to(dtype)[:, :-1]
+    dout = torch.randn(2, s, h, d, generator=gen).to(dtype)
+    return q, k, v, dout
+
+
+def _reference_with_grads(q, k, v, dout, causal):
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    out = reference_attention(qr, kr, vr, causal, SCALE)
+    (out * dout.double()).sum().backward()
+    s = torch.einsum("bqhd,bkhd->bhqk", qr.detach(), kr.detach().repeat_interleave(q.size(2) // k.size(2), 2)) * SCALE
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return out.detach(), torch.logsumexp(s, -1), qr.grad, kr.grad, vr.grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_forward_backward(backend, causal, heads, dtype, tol):
+    kernel = resolve_kernel(backend, torch.device("cpu"), dtype)
+    q, k, v, dout = _inputs(h=heads[0], kvh=heads[1], dtype=dtype)
+    out, lse = kernel.forward(q, k, v, causal, SCALE)
+    ref_out, ref_lse, dq_ref, dk_ref, dv_ref = _reference_with_grads(q, k, v, dout, causal)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (2, heads[0], q.size(1)) and lse.is_contiguous()
+    assert rel_err(out, ref_out) < tol
+    assert rel_err(lse, ref_lse) < 1e-5
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, SCALE)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("kernel_name", ["torch", "math"])
+def test_merge_of_key_blocks_equals_full_attention(kernel_name):
+    """Splitting the keys in three blocks and merging gives full (non-causal) attention."""
+    kernel = KERNELS[kernel_name]
+    q, k, v, _ = _inputs(s=12)
+    ref = reference_attention(q, k, v, False, SCALE)
+    out, lse = kernel.forward(q, k[:, :5], v[:, :5], False, SCALE)
+    out, lse = out.float().clone(), lse.clone()
+    for sl in (slice(5, 9), slice(9, 12)):
+        bo, bl = kernel.forward(q, k[:, sl], v[:, sl], False, SCALE)
+        merge_block(out, lse, bo, bl)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_merge_is_stable_for_far_apart_lse():
+    out = torch.randn(1, 3, 2, 4)
+    lse = torch.full((1, 2, 3), 1e4)
+    block = torch.randn(1, 3, 2, 4)
+    merge_block(out, lse, block, torch.full((1, 2, 3), -1e4))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_auto_backend_on_cpu():
+    assert resolve_kernel("auto", torch.device("cpu"), torch.bfloat16).name == "torch"
+    assert "math" in available_backends("cpu", torch.float32)
+    assert "flash_attn" not in available_backends("cpu", torch.float16)
+
+
+def _install_fake_flash_attn(monkeypatch, old_api):
+    """A stand-in for flash_attn.flash_attn_interface with the documented private signatures,
+    computing with the math kernel: checks our argument plumbing, not flash-attn itself."""
+    math = MathKernel()
+    mod = types.ModuleType("flash_attn.flash_attn_interface")
+    seen = {}
+
+    if old_api:  # flash-attn 2.5: window_size tuple, 8-tuple result
+        def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
+            seen["window_size"] = window_size
+            out, lse = math.forward(q, k, v, causal, softmax_scale)
+            return out, q, k, v, out, lse, None, None
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                 window_size, alibi_slopes, deterministic, rng_state=None):
+            g = math.backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+            for buf, val in zip((dq, dk, dv), g):
+                buf.copy_(val)
+    else:  # flash-attn 2.6+
+        def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                softcap, alibi_slopes, return_softmax):
+            seen["window_size"] = (window_size_left, window_size_right)
+            out, lse = math.forward(q, k, v, causal, softmax_scale)
+            return out, lse, None, None
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                                 rng_state=None):
+            g = math.backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+            for buf, val in zip((dq, dk, dv), g):
+                buf.copy_(val)
+
+    mod._flash_attn_forward = _flash_attn_forward
+    mod._flash_attn_backward = _flash_attn_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", mod)
+    return seen
+
+
+@pytest.mark.parametrize("old_api", [False, True])
+def test_flash_attn_adapter_plumbing(monkeypatch, old_api):
+    seen = _install_fake_flash_attn(monkeypatch, old_api)
+    kernel = FlashAttnKernel()
+    assert "CUDA devices only" in kernel.unavailable_reason(torch.device("cpu"), torch.float16)
+    q, k, v, dout = _inputs()
+    out, lse = kernel.forward(q, k, v, True, SCALE)
+    assert seen["window_size"] == (-1, -1)
+    ref_out, ref_lse, dq_ref, dk_ref, dv_ref = _reference_with_grads(q, k, v, dout, True)
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, SCALE)
+    for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert rel_err(got, want) < 1e-5

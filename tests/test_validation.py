@@ -1,0 +1,97 @@
+"""Bad input raises ValueError naming the value and the rule, on every rank, before any message."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import striped_sp
+from dist_helper import run_cases
+
+
+def _qkv(b=1, s=4, h=4, kvh=2, d=8, dtype=torch.float32):
+    return (torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, s, kvh, d, dtype=dtype),
+            torch.randn(b, s, kvh, d, dtype=dtype))
+
+
+def _bad(kind):
+    q, k, v = _qkv()
+    if kind == "zigzag-odd":
+        q, k, v = _qkv(s=5)
+        return (q, k, v), {"layout": "zigzag"}, "local sequence length 5 must be a positive multiple of 2"
+    if kind == "heads":
+        q, k, v = _qkv(h=6, kvh=4)
+        return (q, k, v), {}, r"q heads \(6\) must be a multiple of k/v heads \(4\)"
+    if kind == "dtype":
+        return (q, k.double(), v), {}, "dtypes must match"
+    if kind == "device":
+        return (q, k.to("meta"), v), {}, "must be on one device"
+    if kind == "batch":
+        q2, _, _ = _qkv(b=2)
+        return (q2, k, v), {}, "batch sizes differ: q has 2"
+    if kind == "head_dim":
+        q2, _, _ = _qkv(d=16)
+        return (q2, k, v), {}, "head_dim differs: q has 16"
+    if kind == "kv-shapes":
+        return (q, k, v[:, :, :1]), {}, "k and v shapes must match"
+    if kind == "seq":
+        return (q, k[:, :3], v[:, :3]), {}, "local sequence lengths differ: q has 4"
+    if kind == "ndim":
+        return (q[0], k, v), {}, "expected 4 dims"
+    if kind == "layout":
+        return (q, k, v), {"layout": "spiral"}, "unknown layout 'spiral'"
+    if kind == "backend":
+        return (q, k, v), {"backend": "cutlass"}, "unknown backend 'cutlass'"
+    if kind == "backend-device":
+        return (q, k, v), {"backend": "torch_cudnn"}, "backend 'torch_cudnn' is not available: .*CUDA"
+    if kind == "backend-dtype":
+        q, k, v = (t.to(torch.int32) for t in (q, k, v))
+        return (q, k, v), {"backend": "torch"}, "backend 'torch' is not available: dtype torch.int32"
+    if kind == "flash-missing":
+        return (q, k, v), {"backend": "flash_attn"}, r"pip install 'striped_sp\[flash\]'|CUDA devices only"
+    if kind == "scale":
+        return (q, k, v), {"softmax_scale": -1.0}, "softmax_scale=-1.0 must be positive"
+    raise AssertionError(kind)
+
+
+KINDS = ["zigzag-odd", "heads", "dtype", "device", "batch", "head_dim", "kv-shapes", "seq", "ndim",
+         "layout", "backend", "backend-device", "backend-dtype", "flash-missing", "scale"]
+
+
+def check_raises(kind):
+    args, kwargs, match = _bad(kind)
+    with pytest.raises(ValueError, match=match):
+        striped_sp.ring_attention(*args, **kwargs)
+
+
+def check_ring_still_works():
+    """After every rank raised, no message is left half-sent: a real call completes."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    q, k, v = _qkv(s=4 * n)
+    out = striped_sp.ring_attention(*(striped_sp.shard(t, n, rank) for t in (q, k, v)))
+    assert torch.isfinite(out).all()
+
+
+CASES = [(kind, check_raises, (kind,)) for kind in KINDS] + [("ring-still-works", check_ring_still_works, ())]
+_results = {}
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in CASES])
+def test_bad_input_on_every_rank(name):
+    if "all" not in _results:
+        _results["all"] = run_cases(2, CASES)
+    err = _results["all"][name]
+    assert err is None, err
+
+
+def test_no_process_group_initialized():
+    assert not dist.is_initialized()
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="no process group initialized"):
+        striped_sp.ring_attention(q, k, v)
+
+
+def test_striped_attention_rejects_layout():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="fixes layout='striped'"):
+        striped_sp.striped_attention(q, k, v, layout="zigzag")
