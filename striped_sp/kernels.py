@@ -173,23 +173,25 @@ class TorchKernel(Kernel):
         qt, ot, dot = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2)
         kt = _expand_kv(k, h).transpose(1, 2)
         vt = _expand_kv(v, h).transpose(1, 2)
-        empty = q.new_empty(0, dtype=torch.int64)
+        # Without dropout the RNG state is never read; cum_seq_q/k are undefined (None) for
+        # dense, non-nested inputs, exactly as the forward op returns them.
+        rng = q.new_empty(0, dtype=torch.int64)
         op = self._cuda_op(q)
         lse = lse.contiguous()
         if op == "flash":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
+                dot, qt, kt, vt, ot, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale
             )
         elif op == "efficient":
             padded = -(-sq // 32) * 32
             lse_p = lse.new_zeros(lse.shape[0], lse.shape[1], padded)
             lse_p[:, :, :sq] = lse
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dot, qt, kt, vt, None, ot, lse_p, empty, empty, 0.0, [True, True, True, False], causal, scale=scale
+                dot, qt, kt, vt, None, ot, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale
             )
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dot, qt, kt, vt, ot, lse.unsqueeze(-1), empty, empty, None, empty, empty, sq, sk, 0.0, causal, scale=scale
+                dot, qt, kt, vt, ot, lse.unsqueeze(-1), rng, rng, None, None, None, sq, sk, 0.0, causal, scale=scale
             )
         dk = _group_sum(dk.transpose(1, 2), kvh)
         dv = _group_sum(dv.transpose(1, 2), kvh)
