@@ -11,13 +11,15 @@ __all__ = ["Ring", "Transfer"]
 class Transfer:
     """Receives in flight from the previous rank; :meth:`wait` returns the received tensors."""
 
-    def __init__(self, requests, received: list[torch.Tensor]):
+    def __init__(self, requests, sent: list[torch.Tensor], received: list[torch.Tensor]):
         self._requests = requests
+        self._sent = sent  # kept alive until the sends complete
         self._received = received
 
     def wait(self) -> list[torch.Tensor]:
         for req in self._requests:
             req.wait()
+        self._sent = []
         return self._received
 
 
@@ -36,7 +38,8 @@ class Ring:
     def shift(self, tensors: list[torch.Tensor]) -> Transfer:
         """Post the send of ``tensors`` to the next rank and receives of same-shaped tensors from
         the previous one into fresh buffers (the double buffer); returns at once."""
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in tensors]
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
-        return Transfer(dist.batch_isend_irecv(ops), received)
+        return Transfer(dist.batch_isend_irecv(ops), sent, received)

@@ -1,0 +1,39 @@
+"""DeepSpeed adapter: striped context parallelism switched on from the DeepSpeed JSON config.
+
+```python
+import striped_sp.deepspeed as ssd
+engine, optimizer, loader, scheduler = ssd.initialize(model=model, optimizer=opt,
+                                                      training_data=dataset, config="ds_config.json")
+```
+
+deepspeed and transformers are imported lazily, inside the functions that need them.
+"""
+
+from .config import ALGOS, ContextParallelSettings, load_config, parse_config
+from .data import IGNORE_INDEX, ShardedDataLoader, shard_batch
+from .distributed_attention import DistributedAttention
+from .env import skip_cpu_shm_comm_build
+from .groups import SequenceParallelGroups, sequence_parallel_groups
+from .hf import ATTN_IMPLEMENTATION, enable_hf_attention, hf_attention_forward, register_hf_attention
+from .initialize import adapt_model, global_loss_hook, initialize
+
+__all__ = [
+    "initialize",
+    "DistributedAttention",
+    "parse_config",
+    "load_config",
+    "ContextParallelSettings",
+    "ALGOS",
+    "shard_batch",
+    "ShardedDataLoader",
+    "IGNORE_INDEX",
+    "enable_hf_attention",
+    "register_hf_attention",
+    "hf_attention_forward",
+    "ATTN_IMPLEMENTATION",
+    "sequence_parallel_groups",
+    "SequenceParallelGroups",
+    "adapt_model",
+    "global_loss_hook",
+    "skip_cpu_shm_comm_build",
+]

@@ -1,0 +1,146 @@
+"""The ``context_parallel`` section of a DeepSpeed JSON config, and ``sequence_parallel_size``.
+
+```json
+{"sequence_parallel_size": 2, "context_parallel": {"algo": "striped", "backend": "auto"}}
+```
+
+``sequence_parallel_size`` is DeepSpeed's own key (default 1); the ``context_parallel`` section is
+ours.  The section is validated with DeepSpeed's pydantic config-model machinery
+(:class:`deepspeed.runtime.config_utils.DeepSpeedConfigModel`: unknown keys are refused, ``"auto"``
+means the default); every problem is re-raised as a ``ValueError`` that names the key and the rule.
+Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from ..kernels import BACKENDS
+
+__all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config"]
+
+SECTION = "context_parallel"
+#: config ``algo`` -> core layout name
+ALGOS = {"striped": "striped", "zigzag": "zigzag", "ring": "contiguous"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelSettings:
+    """The parsed settings: ``layout`` is the core layout name for ``algo``."""
+
+    sequence_parallel_size: int = 1
+    algo: str = "striped"
+    backend: str = "auto"
+
+    @property
+    def layout(self) -> str:
+        return ALGOS[self.algo]
+
+    @property
+    def enabled(self) -> bool:
+        return self.sequence_parallel_size > 1
+
+
+_MODEL_CLASS = None
+
+
+def _model_class():
+    """The pydantic model of the section, built on first use (deepspeed is imported lazily)."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is None:
+        from typing import Literal
+
+        try:
+            from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "striped_sp.deepspeed needs DeepSpeed: pip install 'striped_sp[deepspeed]'"
+            ) from err
+
+        class ContextParallelConfig(DeepSpeedConfigModel):
+            """``context_parallel``: ``algo`` (striped / zigzag / ring) and the kernel ``backend``."""
+
+            algo: Literal[tuple(ALGOS)] = "striped"  # type: ignore[valid-type]
+            backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
+
+        _MODEL_CLASS = ContextParallelConfig
+    return _MODEL_CLASS
+
+
+def load_config(config: Any) -> dict:
+    """A DeepSpeed config given as a dict, or a path to a JSON file, as a dict."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        with open(config) as f:
+            text = f.read()
+        try:  # DeepSpeed reads its config files as hjson (JSON with comments); it depends on hjson
+            import hjson
+
+            loaded = hjson.loads(text)
+        except ImportError:
+            loaded = json.loads(text)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"DeepSpeed config {config!s} must hold a JSON object, got {type(loaded).__name__}")
+        return loaded
+    raise ValueError(f"DeepSpeed config must be a dict or the path of a JSON file, got {config!r}")
+
+
+def _sequence_parallel_size(config: Mapping, world_size: int | None) -> int:
+    sp = config.get("sequence_parallel_size", 1)
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise ValueError(f"sequence_parallel_size={sp!r} must be a positive integer")
+    if world_size is not None:
+        if sp > world_size or world_size % sp != 0:
+            raise ValueError(
+                f"sequence_parallel_size={sp} must divide the world size ({world_size})"
+            )
+        dp = config.get("data_parallel_size")
+        if dp is not None and dp * sp != world_size:
+            raise ValueError(
+                f"data_parallel_size={dp!r} times sequence_parallel_size={sp} must equal the world "
+                f"size ({world_size})"
+            )
+    return sp
+
+
+def _describe(err) -> str:
+    """One line per pydantic error, each naming the key and the rule."""
+    allowed = ", ".join(_model_class().model_fields)
+    lines = []
+    for e in err.errors():
+        key = ".".join([SECTION, *map(str, e["loc"])])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key; the allowed keys are {allowed}")
+        else:
+            lines.append(f"{key}={e.get('input')!r}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def parse_config(config: Any, world_size: int | None = None) -> ContextParallelSettings:
+    """Read ``sequence_parallel_size`` and the ``context_parallel`` section of a DeepSpeed config.
+
+    ``config``: a dict or a JSON file path.  ``world_size``: when given, ``sequence_parallel_size``
+    must divide it.  A missing section means the defaults (``algo="striped"``, ``backend="auto"``).
+    Raises ``ValueError`` naming the key and the rule.
+    """
+    import pydantic
+
+    cfg = load_config(config)
+    sp = _sequence_parallel_size(cfg, world_size)
+    section = cfg.get(SECTION, {})
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{SECTION} must be a JSON object (a dict), got {type(section).__name__}")
+    bad_keys = [k for k in section if not isinstance(k, str)]
+    if bad_keys:
+        raise ValueError(f"{SECTION}: keys must be strings, got {bad_keys!r}")
+    try:
+        model = _model_class()(**section)
+    except pydantic.ValidationError as err:
+        raise ValueError(_describe(err)) from None
+    return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend)

@@ -1,0 +1,136 @@
+"""Drop-in for ``deepspeed.sequence.layer.DistributedAttention`` that runs the ring engine.
+
+DeepSpeed's Ulysses module all-to-alls q/k/v from local tokens x all heads to all tokens x local
+heads, runs ``local_attention`` and all-to-alls back.  This one keeps the same constructor, forward
+signature and shapes, but never gathers the sequence: q/k/v stay local (tokens in the configured
+layout, striped by default) and the KV blocks travel round the ring.  So the head count need not
+be divisible by the group size, and GQA kv heads travel unexpanded.
+
+``local_attention`` is kept (as ``local_attn``, for state dicts and attribute access) but not
+called: the attention is causal softmax attention, as in Megatron-DeepSpeed's GPT models.  Its
+``causal`` and ``softmax_scale`` attributes, when present (``FlashSelfAttention`` has both), are the
+defaults for the keyword arguments of the same names.  Extra forward arguments (e.g. a causal
+``attention_mask`` for ``CoreAttention``) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..attention import ring_attention
+from ..kernels import BACKENDS
+from ..layouts import get_layout, positions
+
+__all__ = ["DistributedAttention"]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def _apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.size(-1)`` channels of ``t`` (rotate-half convention, as DeepSpeed)."""
+    rot = cos.size(-1)
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    t_rot = t_rot * cos + _rotate_half(t_rot) * sin
+    return t_rot if t_pass.size(-1) == 0 else torch.cat([t_rot, t_pass], dim=-1)
+
+
+class DistributedAttention(torch.nn.Module):
+    """Same constructor as DeepSpeed's: ``(local_attention, sequence_process_group, scatter_idx=2,
+    gather_idx=0, sp_stream=None, num_kv_heads=None)``, plus keyword-only ``layout`` (a core layout
+    name, or the config algo names ``"ring"``), ``causal``, ``softmax_scale`` and ``backend``.
+
+    ``forward(query, key, value, batch_dim_idx, rotary_pos_emb=None, *args, **kwargs)``:
+    ``batch_dim_idx=1`` means ``[s_local, batch, heads, head_dim]`` (Megatron-DeepSpeed's
+    layout), ``0`` means ``[batch, s_local, heads, head_dim]``; k/v may have fewer heads.  Returns
+    the local rows of the attention output in the input's layout.  ``rotary_pos_emb``
+    (``(cos, sin)`` as DeepSpeed takes them, the sequence on dim 1) may cover the whole sequence
+    (the local positions are picked out) or already only the local tokens.
+    """
+
+    def __init__(
+        self,
+        local_attention: torch.nn.Module | None,
+        sequence_process_group: Any,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+        sp_stream: Any = None,
+        num_kv_heads: int | None = None,
+        *,
+        layout: str = "striped",
+        causal: bool | None = None,
+        softmax_scale: float | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx = scatter_idx  # kept for compatibility; no all-to-all happens
+        self.gather_idx = gather_idx
+        self.sp_stream = sp_stream
+        self.num_kv_heads = num_kv_heads
+        self.causal = bool(getattr(local_attention, "causal", True)) if causal is None else bool(causal)
+        if softmax_scale is None:
+            softmax_scale = getattr(local_attention, "softmax_scale", None)
+        self.softmax_scale = softmax_scale
+        dropout = getattr(local_attention, "dropout_p", 0.0) or 0.0
+        if dropout > 0:
+            warnings.warn(
+                f"local_attention has dropout_p={dropout}; the ring engine applies no attention dropout",
+                stacklevel=2,
+            )
+        self.configure(layout=layout, backend=backend)
+
+    def configure(self, layout: str | None = None, backend: str | None = None) -> None:
+        """Set the token layout and/or kernel backend (``initialize`` calls this from the config)."""
+        if layout is not None:
+            layout = {"ring": "contiguous"}.get(layout, layout)
+            get_layout(layout)
+            self.layout = layout
+        if backend is not None:
+            if backend not in BACKENDS:
+                raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
+            self.backend = backend
+
+    def extra_repr(self) -> str:
+        return f"layout={self.layout!r}, causal={self.causal}, backend={self.backend!r}"
+
+    def _local_rotary(self, emb: torch.Tensor, local_len: int) -> torch.Tensor:
+        emb = emb.permute(1, 0, 2, 3)  # as DeepSpeed: the sequence moves to dim 0
+        group = self.spg if self.spg is not None else dist.group.WORLD
+        n = dist.get_world_size(group)
+        if n > 1 and emb.size(0) == local_len * n:
+            idx = positions(local_len * n, n, dist.get_rank(group), self.layout).to(emb.device)
+            emb = emb.index_select(0, idx)
+        elif emb.size(0) != local_len:
+            raise ValueError(
+                f"rotary_pos_emb covers {emb.size(0)} positions: expected the whole sequence "
+                f"({local_len * n}) or the local tokens ({local_len})"
+            )
+        return emb
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int,
+                rotary_pos_emb=None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if batch_dim_idx not in (0, 1):
+            raise ValueError(f"batch_dim_idx={batch_dim_idx!r} must be 0 ([b, s, h, d]) or 1 ([s, b, h, d])")
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name} must be a 4-dim tensor, got shape {tuple(getattr(t, 'shape', ()))}")
+        seq_dim = 1 - batch_dim_idx
+        if rotary_pos_emb is not None:
+            cos = self._local_rotary(rotary_pos_emb[0], query.size(seq_dim))
+            sin = self._local_rotary(rotary_pos_emb[1], query.size(seq_dim))
+            query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
+        if batch_dim_idx == 1:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        out = ring_attention(
+            query, key, value, self.spg, layout=self.layout, causal=self.causal,
+            softmax_scale=self.softmax_scale, backend=self.backend,
+        )
+        return out.transpose(0, 1) if batch_dim_idx == 1 else out

@@ -1,0 +1,150 @@
+"""Hugging Face Transformers path: the ring engine as an attention function of the registry.
+
+``enable_hf_attention(model, group, layout, backend)`` registers ``"striped_sp"`` in
+transformers' attention-function registry (``AttentionInterface``) and switches the model to it.
+Llama/Mistral/Qwen-style models then call :func:`hf_attention_forward` in every attention layer
+with their local q/k/v; the model's ``position_ids`` (from :mod:`.data`) carry the layout's global
+positions, so RoPE is exact.  transformers builds no mask for an implementation it has no mask
+function for, so nothing of size ``s x s`` is ever made.
+
+The active settings are process-wide (one context-parallel configuration per process), as
+transformers' registry itself is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..attention import ring_attention
+from ..kernels import BACKENDS
+from ..layouts import get_layout, positions
+
+__all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "register_hf_attention"]
+
+ATTN_IMPLEMENTATION = "striped_sp"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    group: Any
+    layout: str
+    backend: str
+    check_positions: bool
+
+
+_ACTIVE: _Settings | None = None
+
+
+def _import_transformers():
+    try:
+        import transformers  # noqa: F401
+        from transformers import AttentionInterface
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("the Hugging Face path needs transformers: pip install 'striped_sp[hf]'") from err
+    return AttentionInterface
+
+
+def register_hf_attention() -> str:
+    """Register :func:`hf_attention_forward` as ``attn_implementation="striped_sp"``; returns the name."""
+    AttentionInterface = _import_transformers()
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+def enable_hf_attention(model, group=None, layout: str = "striped", backend: str = "auto",
+                        check_positions: bool = True):
+    """Make ``model`` (a transformers ``PreTrainedModel``) attend with the ring engine over ``group``.
+
+    ``layout``: the core layout its inputs are sharded in (``"striped"``, ``"zigzag"``,
+    ``"contiguous"``).  ``check_positions``: in the first attention layer of every forward, check
+    that ``position_ids`` are the layout's positions of this rank (catches a batch that was not
+    sharded by :func:`striped_sp.deepspeed.shard_batch`).  Returns ``model``.
+    """
+    global _ACTIVE
+    get_layout(layout)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
+    if not hasattr(model, "set_attn_implementation"):
+        raise ValueError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel (no set_attn_implementation)"
+        )
+    dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise ValueError(
+            f"config.attention_dropout={dropout}: the ring engine has no attention dropout; set it to 0.0"
+        )
+    register_hf_attention()
+    _ACTIVE = _Settings(group, layout, backend, check_positions)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"{type(model).__name__} did not switch to attn_implementation={ATTN_IMPLEMENTATION!r} "
+            "(it does not use transformers' attention-function registry): its attention would run "
+            "on the local tokens only"
+        )
+    return model
+
+
+def _check_mask(attention_mask) -> None:
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError(
+            "striped_sp attention takes no prepared attention mask (it is causal on global positions); "
+            f"got {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
+        )
+    if not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask has padding: striped_sp attention attends to every earlier token")
+
+
+def _check_positions(position_ids, local_len: int, settings: _Settings) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return  # ring_attention raises the proper error
+    group = settings.group if settings.group is not None else dist.group.WORLD
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    expected = positions(local_len * n, n, r, settings.layout).to(position_ids.device)
+    rows = position_ids.reshape(-1, position_ids.size(-1))
+    if rows.size(-1) != local_len or not bool((rows == expected).all()):
+        raise ValueError(
+            f"position_ids are not the '{settings.layout}' positions of rank {r} of {n} "
+            f"({expected[:4].tolist()}...): shard the batch with striped_sp.deepspeed.shard_batch "
+            "(or ShardedDataLoader) and pass its position_ids to the model"
+        )
+
+
+def hf_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-function signature: q ``[b, heads, s_local, d]``, k/v
+    ``[b, kv_heads, s_local, d]`` -> (``[b, s_local, heads, d]``, ``None``)."""
+    settings = _ACTIVE
+    if settings is None:
+        raise ValueError(
+            "attn_implementation='striped_sp' is not set up: call "
+            "striped_sp.deepspeed.enable_hf_attention(model, group) or striped_sp.deepspeed.initialize"
+        )
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} is not supported by the ring engine; use 0.0")
+    _check_mask(attention_mask)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    position_ids = kwargs.get("position_ids")
+    if settings.check_positions and position_ids is not None and getattr(module, "layer_idx", 0) == 0:
+        _check_positions(position_ids, query.size(2), settings)
+    out = ring_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), settings.group,
+        layout=settings.layout, causal=bool(causal), softmax_scale=scaling, backend=settings.backend,
+    )
+    return out, None

@@ -1,0 +1,211 @@
+"""``initialize``: ``deepspeed.initialize`` with striped context parallelism from the config.
+
+Order of work (all validation before the first collective):
+
+1. read the config and check ``sequence_parallel_size`` and the ``context_parallel`` section;
+2. on the CPU accelerator skip the JIT build of DeepSpeed's shared-memory op (:mod:`.env`);
+3. start DeepSpeed's communication, check ``sequence_parallel_size`` divides the world size;
+4. build (or reuse) DeepSpeed's sequence-parallel groups (:mod:`.groups`);
+5. point the model's attention at the ring engine: DeepSpeed ``DistributedAttention`` modules are
+   swapped for :class:`.DistributedAttention`, ours are configured, a transformers model gets
+   ``attn_implementation="striped_sp"`` and a loss that is the global value on every rank;
+6. ``deepspeed.initialize`` with the groups as ``mpu``;
+7. the training data loader: a data-parallel sampler (every rank of an SP group gets the same
+   samples) under :class:`.ShardedDataLoader` (shifted labels, local tokens in the layout).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import ContextParallelSettings, load_config, parse_config
+from .distributed_attention import DistributedAttention
+from .env import skip_cpu_shm_comm_build
+from .groups import SequenceParallelGroups, sequence_parallel_groups
+from .data import ShardedDataLoader
+
+__all__ = ["initialize", "adapt_model", "global_loss_hook"]
+
+_DEFAULT_PORT = 29500
+
+
+def _resolve_config(args, config, config_params):
+    """The config dict and the args to hand on, with DeepSpeed's precedence."""
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("give the DeepSpeed config once: args.deepspeed_config or config=, not both")
+        config = from_args
+        args = copy.copy(args)
+        args.deepspeed_config = None  # we pass the parsed dict instead
+    if config is None:
+        raise ValueError("DeepSpeed needs a config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    return args, load_config(config)
+
+
+def _is_hf_model(model) -> bool:
+    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+
+
+def _swap_deepspeed_attention(model: torch.nn.Module, settings: ContextParallelSettings) -> int:
+    """Replace every ``deepspeed.sequence.layer.DistributedAttention`` child with ours."""
+    from deepspeed.sequence.layer import DistributedAttention as DSDistributedAttention
+
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, DSDistributedAttention):
+                ours = DistributedAttention(
+                    child.local_attn, child.spg, child.scatter_idx, child.gather_idx,
+                    layout=settings.layout, backend=settings.backend,
+                )
+                setattr(parent, name, ours)
+                swapped += 1
+    return swapped
+
+
+def global_loss_hook(group):
+    """A forward hook (``with_kwargs=True``) that makes ``output.loss`` the group-wide loss value
+    while its gradient stays this rank's share.
+
+    With ``num_items_in_batch`` in the forward kwargs (as :func:`.shard_batch` gives) each rank's
+    loss is its summed local loss over the global count, and the global loss is their sum; without
+    it each rank's loss is a local mean and the hook averages them (exact when every rank has
+    as many counted targets).  DeepSpeed sums gradients over the SP group, so the update is exact.
+    """
+
+    def hook(module, args, kwargs, output):
+        loss = getattr(output, "loss", None)
+        if loss is None:
+            return output
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        if kwargs.get("num_items_in_batch") is None:
+            total = total / dist.get_world_size(group)
+        output.loss = loss + (total - loss.detach())
+        return output
+
+    return hook
+
+
+def _shifted_labels_pre_hook(module, args, kwargs):
+    """Refuse unshifted labels under SP: transformers would shift them on the local tokens."""
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError(
+            "labels without shift_labels under sequence parallelism: shift them on the full sequence "
+            "before sharding with striped_sp.deepspeed.shard_batch (or use the loader initialize returns)"
+        )
+    return None
+
+
+def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, groups: SequenceParallelGroups) -> list:
+    """Point ``model``'s attention at the ring engine over ``groups.group``; returns hook handles."""
+    if not settings.enabled:
+        return []
+    from .hf import enable_hf_attention
+
+    _swap_deepspeed_attention(model, settings)
+    ours = [m for m in model.modules() if isinstance(m, DistributedAttention)]
+    for module in ours:
+        if module.spg is None:
+            module.spg = groups.group
+        elif dist.get_world_size(module.spg) != settings.sequence_parallel_size:
+            raise ValueError(
+                f"a DistributedAttention's sequence_process_group has {dist.get_world_size(module.spg)} "
+                f"ranks but sequence_parallel_size={settings.sequence_parallel_size}"
+            )
+        module.configure(layout=settings.layout, backend=settings.backend)
+    for handle in getattr(model, "_striped_sp_hooks", []):  # adapted before: hooks once only
+        handle.remove()
+    handles = []
+    if _is_hf_model(model):
+        enable_hf_attention(model, groups.group, settings.layout, settings.backend)
+        handles.append(model.register_forward_pre_hook(_shifted_labels_pre_hook, with_kwargs=True))
+        handles.append(model.register_forward_hook(global_loss_hook(groups.group), with_kwargs=True))
+        model._striped_sp_hooks = handles
+    elif not ours:
+        warnings.warn(
+            "sequence_parallel_size > 1 but the model has no DistributedAttention module and is not a "
+            "transformers model: its attention must call striped_sp.ring_attention itself",
+            stacklevel=3,
+        )
+    return handles
+
+
+def _training_loader(engine, training_data, collate_fn, groups: SequenceParallelGroups,
+                     settings: ContextParallelSettings):
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+    if isinstance(training_data, IterableDataset):
+        sampler = None  # the dataset itself must yield this replica's samples
+    else:
+        sampler = DistributedSampler(training_data, num_replicas=groups.dp_size, rank=groups.dp_rank)
+    loader = DataLoader(
+        training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+        collate_fn=collate_fn, drop_last=engine.dataloader_drop_last(),
+    )
+    return ShardedDataLoader(loader, groups.group, settings.layout)
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = _DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+):
+    """Same arguments and return values as ``deepspeed.initialize``:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    Reads ``sequence_parallel_size`` and ``context_parallel`` from the config; builds or reuses
+    the sequence-parallel groups and passes them to DeepSpeed as ``mpu``; makes the model's
+    attention and the returned training data loader follow the configured layout.  The engine
+    gets ``engine.context_parallel`` (the parsed settings) and ``engine.context_parallel_group``.
+    Bad config values raise ``ValueError`` naming the key, before any collective.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if model is None:
+        raise ValueError("initialize needs a model")
+    args, cfg = _resolve_config(args, config, config_params)
+    settings = parse_config(cfg)
+    if settings.enabled and mesh_param is not None:
+        raise ValueError("mesh_param and sequence_parallel_size > 1 do not mix: the SP groups come from the config")
+    skip_cpu_shm_comm_build()
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=distributed_port, dist_init_required=dist_init_required,
+    )
+    settings = parse_config(cfg, world_size=dist.get_world_size())
+    if settings.enabled:
+        cfg.pop("data_parallel_size", None)  # checked above; the groups come through mpu, not a mesh
+    groups = sequence_parallel_groups(settings.sequence_parallel_size, mpu)
+    adapt_model(model, settings, groups)
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        training_data=None, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+        mpu=groups.mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,
+        config=cfg, mesh_param=mesh_param,
+    )
+    engine.context_parallel = settings
+    engine.context_parallel_group = groups.group
+    loader = None
+    if training_data is not None:
+        loader = _training_loader(engine, training_data, collate_fn, groups, settings)
+    return engine, optimizer, loader, lr_scheduler

@@ -1,0 +1,167 @@
+"""DeepSpeed adapter, no processes: the config section, the data adapter, argument checks."""
+
+import json
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest
+import torch
+
+from striped_sp import positions
+from striped_sp.deepspeed import (
+    ContextParallelSettings,
+    DistributedAttention,
+    parse_config,
+    shard_batch,
+)
+
+# ---------------------------------------------------------------------------------- config
+
+
+def test_config_defaults():
+    s = parse_config({"train_micro_batch_size_per_gpu": 1})
+    assert s == ContextParallelSettings(sequence_parallel_size=1, algo="striped", backend="auto")
+    assert not s.enabled and s.layout == "striped"
+    s = parse_config({"sequence_parallel_size": 2, "context_parallel": {}}, world_size=2)
+    assert s.enabled and s.algo == "striped" and s.backend == "auto"
+    # DeepSpeed's convention: "auto" means the default
+    assert parse_config({"context_parallel": {"algo": "auto", "backend": "auto"}}).algo == "striped"
+
+
+@pytest.mark.parametrize("algo,layout", [("striped", "striped"), ("zigzag", "zigzag"), ("ring", "contiguous")])
+def test_config_algos(algo, layout):
+    s = parse_config({"sequence_parallel_size": 4, "context_parallel": {"algo": algo, "backend": "math"}}, world_size=8)
+    assert (s.sequence_parallel_size, s.algo, s.layout, s.backend) == (4, algo, layout, "math")
+
+
+def test_config_from_json_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"sequence_parallel_size": 2, "context_parallel": {"algo": "zigzag"}}))
+    assert parse_config(str(path), world_size=2).layout == "zigzag"
+
+
+@pytest.mark.parametrize(
+    "config,world_size,words",
+    [
+        ({"context_parallel": {"algo": "ulysses"}}, None, ["context_parallel.algo", "'striped', 'zigzag' or 'ring'"]),
+        ({"context_parallel": {"algo": 3}}, None, ["context_parallel.algo"]),
+        ({"context_parallel": {"backend": "cuda"}}, None, ["context_parallel.backend", "'math'"]),
+        ({"context_parallel": {"algo": "striped", "chunks": 4}}, None, ["context_parallel.chunks", "unknown key", "algo, backend"]),
+        ({"context_parallel": ["striped"]}, None, ["context_parallel", "JSON object"]),
+        ({"sequence_parallel_size": 0}, None, ["sequence_parallel_size=0", "positive integer"]),
+        ({"sequence_parallel_size": "2"}, None, ["sequence_parallel_size='2'", "positive integer"]),
+        ({"sequence_parallel_size": 3}, 4, ["sequence_parallel_size=3", "divide the world size (4)"]),
+        ({"sequence_parallel_size": 8}, 4, ["sequence_parallel_size=8", "divide the world size (4)"]),
+        ({"sequence_parallel_size": 2, "data_parallel_size": 3}, 4, ["data_parallel_size=3", "world size (4)"]),
+        ("/no/such/ds_config.json", None, ["dict or the path of a JSON file"]),
+    ],
+)
+def test_config_errors(config, world_size, words):
+    with pytest.raises(ValueError) as err:
+        parse_config(config, world_size=world_size)
+    for w in words:
+        assert w in str(err.value)
+
+
+# ---------------------------------------------------------------------------- data adapter
+
+
+def _full_batch(b=3, seq=40, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (b, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100  # e.g. a prompt that does not count
+    labels[0, seq // 2 - 1] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), "sample_id": "x"}
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag", "contiguous"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_shard_batch_keeps_every_label_once(layout, n):
+    full = _full_batch()
+    seq = full["input_ids"].size(1)
+    expected = torch.cat([full["labels"][:, 1:], torch.full((3, 1), -100)], dim=1)
+    seen = torch.zeros(3, seq, dtype=torch.int64)
+    got = torch.full((3, seq), -7)
+    for r in range(n):
+        part = shard_batch(full, n, r, layout)
+        pos = positions(seq, n, r, layout)
+        assert "attention_mask" not in part and part["sample_id"] == "x"
+        assert torch.equal(part["position_ids"], pos.expand(3, -1))
+        assert torch.equal(part["input_ids"], full["input_ids"][:, pos])
+        assert part["labels"] is part["shift_labels"]
+        assert int(part["num_items_in_batch"]) == int((expected != -100).sum())
+        seen[:, pos] += 1
+        got[:, pos] = part["shift_labels"]
+    assert bool((seen == 1).all())  # every target exactly once
+    assert torch.equal(got, expected)  # and each with its own token (shifted on the full sequence)
+
+
+def test_shard_batch_keeps_given_positions_and_shift_labels():
+    full = _full_batch(seq=16)
+    full["position_ids"] = torch.arange(100, 116).expand(3, -1)
+    full["shift_labels"] = full.pop("labels")  # already shifted: taken as they are
+    part = shard_batch(full, 2, 1, "striped")
+    assert torch.equal(part["position_ids"][0], torch.arange(101, 116, 2))
+    assert torch.equal(part["shift_labels"], full["shift_labels"][:, 1::2])
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (lambda b: b.update(input_ids=b["input_ids"][:, :30]), ["batch['input_ids'] has 30 tokens", "multiple of"]),
+        (lambda b: b["attention_mask"].__setitem__((0, -1), 0), ["attention_mask", "padding"]),
+        (lambda b: b.update(labels=b["labels"][:, :-2]), ["batch['labels']", "dim 1"]),
+        (lambda b: b.pop("input_ids"), ["input_ids"]),
+    ],
+)
+def test_shard_batch_errors(change, words):
+    batch = _full_batch(seq=40)
+    change(batch)
+    with pytest.raises(ValueError) as err:
+        shard_batch(batch, 4, 0, "zigzag")  # 40 = 5 * 2 * 4; 30 is not a multiple of 8
+    for w in words:
+        assert w in str(err.value)
+
+
+# ------------------------------------------------------------------ DistributedAttention args
+
+
+def test_distributed_attention_arguments():
+    class FlashSelfAttention(torch.nn.Module):  # Megatron-DeepSpeed's attributes
+        causal, softmax_scale, dropout_p = False, 0.25, 0.0
+
+    da = DistributedAttention(FlashSelfAttention(), None, 2, 0)
+    assert (da.causal, da.softmax_scale, da.layout, da.backend) == (False, 0.25, "striped", "auto")
+    da = DistributedAttention(None, None, layout="ring", causal=True, backend="math")
+    assert (da.causal, da.softmax_scale, da.layout, da.backend) == (True, None, "contiguous", "math")
+    with pytest.raises(ValueError, match="unknown layout"):
+        DistributedAttention(None, None, layout="ulysses")
+    with pytest.raises(ValueError, match="unknown backend"):
+        da.configure(backend="cuda")
+    q = torch.randn(2, 8, 4, 16)
+    with pytest.raises(ValueError, match="batch_dim_idx=2"):
+        da(q, q, q, 2)
+
+
+# ----------------------------------------------- initialize: config errors before any comm
+
+
+def test_initialize_rejects_bad_config_before_communication():
+    import argparse
+
+    import torch.distributed as dist
+
+    from striped_sp.deepspeed import initialize
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="context_parallel.backend='cuda'"):
+        initialize(model=model, config={"sequence_parallel_size": 2, "context_parallel": {"backend": "cuda"}})
+    with pytest.raises(ValueError, match="sequence_parallel_size=-1"):
+        initialize(model=model, config={"sequence_parallel_size": -1})
+    with pytest.raises(ValueError, match="config once"):
+        initialize(args=argparse.Namespace(deepspeed_config="ds.json"), model=model, config={})
+    with pytest.raises(ValueError, match="needs a config"):
+        initialize(model=model)
+    assert not dist.is_initialized()  # nothing started
