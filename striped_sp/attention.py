@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -138,6 +140,31 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     layout.check_local_len(q.size(1))
 
 
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_LAYOUT_CODES = {"striped": 1, "zigzag": 2, "contiguous": 3}
+
+
+def _check_consistent_across_ranks(q, k, layout: Layout, causal: bool, scale: float, group) -> None:
+    """Opt-in (``STRIPED_SP_CHECK_RANKS=1``): one small all-gather of every rank's shapes, dtype,
+    layout, causal flag and scale, so that ranks called with different arguments all raise the
+    same ``ValueError`` instead of deadlocking in the ring.  Costs one collective per call."""
+    names = sorted(_LAYOUT_CODES)
+    meta = [*q.shape, k.size(2), _DTYPE_CODES.get(q.dtype, 0), _LAYOUT_CODES[layout.name],
+            int(causal), round(scale * 1e9)]
+    mine = torch.tensor(meta, dtype=torch.int64, device=q.device)
+    n = dist.get_world_size(group)
+    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=q.device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    rows = every.view(n, -1).tolist()
+    if any(row != rows[0] for row in rows):
+        fields = "batch, s_local, heads, head_dim, kv_heads, dtype, layout, causal, scale*1e9"
+        detail = "; ".join(f"rank {r}: {row}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"ring_attention called with different arguments on the ranks of the group ({fields}): "
+            f"{detail}; every rank must pass the same shapes, dtype, layout ({names}), causal and scale"
+        )
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -166,6 +193,8 @@ def ring_attention(
         belong to the local queries.  Differentiable in ``q``, ``k`` and ``v``.
 
     Every argument is checked before any message is sent; bad ones raise ``ValueError``.
+    With ``STRIPED_SP_CHECK_RANKS=1`` in the environment, one extra small all-gather also checks
+    that every rank of the group passed the same shapes, dtype, layout, causal flag and scale.
     """
     lay = get_layout(layout)
     _check_inputs(q, k, v, lay)
@@ -180,6 +209,8 @@ def ring_attention(
     scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise ValueError(f"softmax_scale={softmax_scale} must be positive")
+    if os.environ.get("STRIPED_SP_CHECK_RANKS", "0") not in ("", "0"):
+        _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group)
     return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel)
 
 

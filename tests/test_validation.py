@@ -72,7 +72,27 @@ def check_ring_still_works():
     assert torch.isfinite(out).all()
 
 
-CASES = [(kind, check_raises, (kind,)) for kind in KINDS] + [("ring-still-works", check_ring_still_works, ())]
+def check_mismatch_across_ranks(env_value):
+    """Ranks that disagree on the local length all raise with STRIPED_SP_CHECK_RANKS=1."""
+    import os
+
+    os.environ["STRIPED_SP_CHECK_RANKS"] = env_value
+    try:
+        rank = dist.get_rank()
+        q, k, v = _qkv(s=4 + 2 * rank)
+        with pytest.raises(ValueError, match=r"different arguments on the ranks.*rank 1: \[1, 6, 4, 8, 2"):
+            striped_sp.ring_attention(q, k, v)
+        # agreeing ranks pass the check and run
+        q, k, v = _qkv(s=4)
+        assert torch.isfinite(striped_sp.ring_attention(q, k, v)).all()
+    finally:
+        del os.environ["STRIPED_SP_CHECK_RANKS"]
+
+
+CASES = [(kind, check_raises, (kind,)) for kind in KINDS] + [
+    ("rank-mismatch-checked", check_mismatch_across_ranks, ("1",)),
+    ("ring-still-works", check_ring_still_works, ()),
+]
 _results = {}
 
 
