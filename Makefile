@@ -22,6 +22,7 @@ venv: $(VENV)/.installed-$(EXTRAS)
 
 demo: venv
 	$(PY) -m striped_sp.demo --world-size 2
+	$(PY) examples/megatron/train_tiny_gpt.py
 
 test: venv
 	$(PY) -m pytest -q

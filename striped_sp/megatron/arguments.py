@@ -1,0 +1,155 @@
+"""``--context-parallel-algo``: the command-line flag and the checks of the settings around it.
+
+No Megatron import here: the parser works with any ``argparse.ArgumentParser`` and the checks
+read plain attributes, so a launch script can validate its arguments before starting ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+from ..layouts import get_layout
+
+
+#: algo name -> this project's layout (``None``: Megatron/Transformer Engine's own path).
+ALGOS: dict[str, Optional[str]] = {
+    "native": None,
+    "striped": "striped",
+    "zigzag": "zigzag",
+    "ring": "contiguous",
+}
+DEFAULT_ALGO = "native"
+
+
+def check_algo(algo: str) -> str:
+    """``algo`` itself if it names an algorithm; ``ValueError`` naming the flag otherwise."""
+    if algo not in ALGOS:
+        raise ValueError(
+            f"--context-parallel-algo {algo!r} is unknown: choose one of {sorted(ALGOS)}"
+        )
+    return algo
+
+
+def layout_of(algo: str) -> str:
+    """The striped_sp layout that a non-native ``algo`` runs (``ring`` -> ``contiguous``)."""
+    layout = ALGOS[check_algo(algo)]
+    if layout is None:
+        raise ValueError(
+            "--context-parallel-algo native runs Megatron's own context parallelism and has no "
+            f"striped_sp layout: choose one of {sorted(a for a in ALGOS if ALGOS[a])}"
+        )
+    return layout
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--context-parallel-algo`` to ``parser`` and return it.
+
+    Usable as Megatron's ``extra_args_provider``; see :func:`chain_providers` to combine it
+    with another provider.  Adding it twice is a no-op.
+    """
+    if any("--context-parallel-algo" in a.option_strings for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(title="striped_sp context parallelism")
+    group.add_argument(
+        "--context-parallel-algo",
+        type=str,
+        default=DEFAULT_ALGO,
+        choices=list(ALGOS),
+        help="How context parallelism splits each sequence and runs attention. "
+        "'native': Megatron/Transformer Engine's own path (unchanged). "
+        "'striped': striped ring attention (rank r holds tokens r, r+CP, r+2CP, ...). "
+        "'zigzag': the same engine with Megatron's zigzag layout. "
+        "'ring': the same engine with contiguous chunks (original Ring Attention). "
+        "The last three need --context-parallel-size > 1.",
+    )
+    return parser
+
+
+def chain_providers(*providers: Optional[Callable]) -> Callable:
+    """One ``extra_args_provider`` that applies each non-None provider in order."""
+    chain = [p for p in providers if p is not None]
+
+    def provider(parser):
+        for p in chain:
+            parser = p(parser)
+        return parser
+
+    return provider
+
+
+def _cp_comm_types(value) -> list[str]:
+    if value is None:
+        return ["p2p"]
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+def validate_args(args) -> None:
+    """Check the settings that ``--context-parallel-algo`` needs; ``ValueError`` names the fix.
+
+    Reads Megatron's argument names (missing ones take Megatron's defaults), so it works on
+    the parsed ``args`` of pretrain_gpt.py.  A native algo is never checked.
+    """
+    algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
+    if ALGOS[algo] is None:
+        return
+    flag = f"--context-parallel-algo {algo}"
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if cp < 2:
+        raise ValueError(
+            f"{flag} needs --context-parallel-size > 1 (got {cp}): raise "
+            "--context-parallel-size or use --context-parallel-algo native"
+        )
+    seq_length = getattr(args, "seq_length", None)
+    if seq_length is not None:
+        lay = get_layout(layout_of(algo))
+        unit = cp * lay.seq_multiple
+        if seq_length % unit != 0:
+            rule = f"2 * --context-parallel-size = {unit}" if lay.seq_multiple > 1 else (
+                f"--context-parallel-size = {unit}")
+            raise ValueError(
+                f"{flag}: --seq-length {seq_length} must be a multiple of {rule}: change "
+                "--seq-length or --context-parallel-size"
+            )
+    comm = _cp_comm_types(getattr(args, "cp_comm_type", None))
+    if any(c != "p2p" for c in comm):
+        raise ValueError(
+            f"{flag} supports only --cp-comm-type p2p (got {' '.join(comm)}): "
+            "set --cp-comm-type p2p or use --context-parallel-algo native"
+        )
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError(
+            f"{flag} does not support hybrid context parallelism yet: drop "
+            "--hybrid-context-parallel or use --context-parallel-algo native"
+        )
+    hier = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if hier:
+        raise ValueError(
+            f"{flag} does not support --hierarchical-context-parallel-sizes yet: drop it"
+        )
+    dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0:
+        raise ValueError(
+            f"{flag} does not support attention dropout yet (got {dropout}): "
+            "set --attention-dropout 0"
+        )
+    if getattr(args, "sft", False):
+        raise ValueError(
+            f"{flag} does not support packed THD sequences yet (--sft packs them): "
+            "drop --sft or use --context-parallel-algo native"
+        )
+    if getattr(args, "reset_attention_mask", False):
+        raise ValueError(
+            f"{flag} runs a plain causal mask and does not support per-document masks yet: "
+            "drop --reset-attention-mask"
+        )
+    if getattr(args, "use_legacy_models", False):
+        raise ValueError(f"{flag} needs megatron-core models: drop --use-legacy-models")
+    if getattr(args, "multi_latent_attention", False):
+        raise ValueError(
+            f"{flag} does not support multi-latent attention yet: drop --multi-latent-attention"
+        )
+    if getattr(args, "window_size", None) is not None:
+        raise ValueError(f"{flag} does not support sliding-window attention yet: drop --window-size")

@@ -1,0 +1,229 @@
+"""``install(algo)`` / ``uninstall()``: make Megatron's own code follow a striped_sp layout.
+
+Patched (each function in the module that defines it *and* in every loaded module that
+imported it by name, so ``from x import f`` copies follow too):
+
+* rotary positions: ``get_pos_emb_on_this_cp_rank`` (RotaryEmbedding, YaRN and multimodal
+  rotary import it by name), plus a CPU fallback for RoPE's ``torch.cuda.current_device()``;
+* batch slicing: ``megatron.core.utils.get_batch_on_this_cp_rank`` and its copies in
+  ``megatron.training`` and pretrain_gpt.py when loaded; THD and hybrid-CP slicing refuse;
+* the GPT spec providers (local, Transformer Engine, decoder block, decoder layers, MTP
+  block): every ``core_attention`` they return becomes ``ContextParallelAttention(algo)``;
+* MTP's ``roll_tensor``: rolls along the global sequence in the layout;
+* ``megatron.training.arguments.validate_args`` (when importable): also runs our checks.
+
+``install`` is idempotent; calling it with another algo switches the algo.  ``uninstall``
+restores every original object and is idempotent too.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from typing import Callable
+
+from . import data, rope
+from .arguments import check_algo, validate_args as _validate_striped_args
+from .spec import patch_layer_spec
+
+__all__ = ["install", "uninstall", "installed_algo"]
+
+_STATE: dict = {"algo": None, "backend": "auto", "patches": []}
+
+#: top-level (non-``megatron.*``) modules of Megatron-LM that import these functions by name
+_SCRIPT_MODULES = ("pretrain_gpt", "pretrain_mamba", "gpt_builders", "model_provider", "__main__", "__mp_main__")
+
+_SPEC_PROVIDERS = (
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec",
+    "get_gpt_decoder_layer_specs",
+    "get_gpt_decoder_block_spec",
+    "get_gpt_mtp_block_spec",
+)
+
+
+def installed_algo() -> str | None:
+    """The algo installed now, or ``None``."""
+    return _STATE["algo"]
+
+
+# ---------------------------------------------------------------- replacements (read _STATE)
+
+def _rope_slice(pos_emb, seq_dim, cp_group):
+    return rope.get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group, algo=_STATE["algo"])
+
+
+def _batch_slice(batch, cp_group=None):
+    return data.get_batch_on_this_cp_rank(batch, algo=_STATE["algo"], cp_group=cp_group)
+
+
+def _mtp_roll(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    return data.roll_tensor(
+        tensor, shifts=shifts, dims=dims, cp_group=cp_group,
+        packed_seq_params=packed_seq_params, algo=_STATE["algo"],
+    )
+
+
+def _refuse(what: str) -> Callable:
+    def refuse(*args, **kwargs):
+        raise ValueError(
+            f"--context-parallel-algo {_STATE['algo']} does not support {what} yet: "
+            "use --context-parallel-algo native"
+        )
+
+    return refuse
+
+
+def _spec_wrapper(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        spec = fn(*args, **kwargs)
+        if isinstance(spec, list):
+            return [patch_layer_spec(s, _STATE["algo"], _STATE["backend"]) for s in spec]
+        return patch_layer_spec(spec, _STATE["algo"], _STATE["backend"])
+
+    return wrapper
+
+
+def _validate_wrapper(fn):
+    @functools.wraps(fn)
+    def wrapper(args, *rest, **kwargs):
+        out = fn(args, *rest, **kwargs)
+        _validate_striped_args(args)
+        return out
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- patching machinery
+
+def _loaded_modules():
+    for name, mod in list(sys.modules.items()):
+        if mod is None:
+            continue
+        if name == "megatron" or name.startswith("megatron.") or name in _SCRIPT_MODULES:
+            yield mod
+
+
+def _set(owner, attr: str, value) -> None:
+    _STATE["patches"].append((owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)))
+    setattr(owner, attr, value)
+
+
+def _replace_everywhere(original, replacement) -> None:
+    """Point every loaded Megatron module attribute that *is* ``original`` at ``replacement``."""
+    replacement.__striped_sp_original__ = original
+    for mod in _loaded_modules():
+        try:
+            names = [k for k, v in vars(mod).items() if v is original]
+        except TypeError:
+            continue
+        for name in names:
+            _set(mod, name, replacement)
+
+
+def _wrap_function(module_name: str, attr: str, make: Callable) -> None:
+    try:
+        mod = importlib.import_module(module_name)
+    except ImportError:
+        return
+    original = getattr(mod, attr, None)
+    if original is None:
+        return
+    _replace_everywhere(original, make(original))
+
+
+def _wrap_method(cls, attr: str) -> None:
+    if attr in cls.__dict__:
+        _set(cls, attr, rope.cpu_fallback(cls.__dict__[attr]))
+
+
+def _clear_rope_caches() -> None:
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for cls in (rotary_pos_embedding.RotaryEmbedding, yarn_rotary_pos_embedding.YarnRotaryEmbedding):
+        fwd = cls.__dict__.get("forward")
+        if hasattr(fwd, "cache_clear"):
+            fwd.cache_clear()
+
+
+def _apply() -> None:
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+
+    # Rotary positions, and RoPE on CPU.
+    _replace_everywhere(rope_utils.get_pos_emb_on_this_cp_rank, _rope_slice)
+    for cls in (
+        rotary_pos_embedding.RotaryEmbedding,
+        rotary_pos_embedding.MultimodalRotaryEmbedding,
+        yarn_rotary_pos_embedding.YarnRotaryEmbedding,
+    ):
+        _wrap_method(cls, "__init__")
+        _wrap_method(cls, "get_emb")
+
+    # Batch slicing (megatron.training and pretrain_gpt.py import it by name).
+    for name in ("megatron.training.utils", "megatron.training.arguments"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - megatron.training is optional
+            pass
+    import megatron.core.utils as core_utils
+
+    _replace_everywhere(core_utils.get_batch_on_this_cp_rank, _batch_slice)
+    for attr, what in (
+        ("get_thd_batch_on_this_cp_rank", "packed THD sequences"),
+        ("get_batch_on_this_hybrid_cp_rank", "hybrid context parallelism"),
+    ):
+        if hasattr(core_utils, attr):
+            _replace_everywhere(getattr(core_utils, attr), _refuse(what))
+
+    # Spec providers.
+    for attr in _SPEC_PROVIDERS:
+        _wrap_function("megatron.core.models.gpt.gpt_layer_specs", attr, _spec_wrapper)
+
+    # MTP roll.
+    from megatron.core.transformer import multi_token_prediction
+
+    _replace_everywhere(multi_token_prediction.roll_tensor, _mtp_roll)
+
+    # Argument checks, when megatron.training is there.
+    if "megatron.training.arguments" in sys.modules:
+        _wrap_function("megatron.training.arguments", "validate_args", _validate_wrapper)
+
+
+def install(algo: str = "striped", backend: str = "auto") -> None:
+    """Patch Megatron so that its RoPE, data path, specs and MTP follow ``algo``'s layout.
+
+    ``algo`` is ``striped``, ``zigzag`` or ``ring``; ``native`` uninstalls.  Idempotent;
+    calling it again with another algo switches the algo everywhere.
+    """
+    check_algo(algo)
+    if algo == "native":
+        uninstall()
+        return
+    _STATE["backend"] = backend
+    if _STATE["algo"] is None:
+        _STATE["algo"] = algo
+        try:
+            _apply()
+        except BaseException:
+            uninstall()
+            raise
+    else:
+        _STATE["algo"] = algo
+    _clear_rope_caches()
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: every patched attribute gets its original object back."""
+    patches = _STATE["patches"]
+    while patches:
+        owner, attr, original = patches.pop()
+        setattr(owner, attr, original)
+    if _STATE["algo"] is not None:
+        _STATE["algo"] = None
+        _clear_rope_caches()

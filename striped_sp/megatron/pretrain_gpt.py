@@ -1,0 +1,90 @@
+"""Run Megatron-LM's unmodified pretrain_gpt.py with ``--context-parallel-algo`` (no patch needed).
+
+    export MEGATRON_LM_DIR=/path/to/Megatron-LM        # a checkout at tag core_v0.16.1
+    torchrun --nproc-per-node 8 -m striped_sp.megatron.pretrain_gpt \\
+        <pretrain_gpt.py arguments> --context-parallel-size 8 --context-parallel-algo striped
+
+Megatron-LM is found through ``MEGATRON_LM_DIR`` or ``--megatron-lm-dir DIR`` (first
+argument), else the current directory.  Before pretrain_gpt.py runs, Megatron's argument
+parsing gets our flag chained to its own ``extra_args_provider``, and its argument validation
+also runs :func:`striped_sp.megatron.validate_args` and then :func:`striped_sp.megatron.install`
+with the chosen algo, so RoPE, batch slicing, the layer specs and MTP follow the layout.
+Megatron's own check that ``--seq-length`` is a multiple of 2 * CP still applies on this route.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import Optional
+
+from .arguments import DEFAULT_ALGO, add_arguments, chain_providers, validate_args
+from .hooks import install
+
+__all__ = ["find_megatron_lm", "hook_initialize", "main"]
+
+
+def find_megatron_lm(path: Optional[str] = None) -> str:
+    """The Megatron-LM checkout holding pretrain_gpt.py: ``path``, ``$MEGATRON_LM_DIR`` or cwd."""
+    for candidate in (path, os.environ.get("MEGATRON_LM_DIR"), os.getcwd()):
+        if candidate and os.path.isfile(os.path.join(candidate, "pretrain_gpt.py")):
+            return os.path.abspath(candidate)
+    raise ValueError(
+        "cannot find Megatron-LM's pretrain_gpt.py: set MEGATRON_LM_DIR to a Megatron-LM checkout "
+        "(tag core_v0.16.1), pass --megatron-lm-dir DIR first, or run from that directory"
+    )
+
+
+def hook_initialize(module) -> None:
+    """Wrap ``module.parse_args`` and ``module.validate_args`` (megatron.training.initialize's
+    by-name copies) so that our flag is parsed, checked and installed."""
+    parse = module.parse_args
+    validate = module.validate_args
+    if getattr(parse, "__striped_sp_original__", None) is not None:
+        return  # already hooked
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        return parse(chain_providers(extra_args_provider, add_arguments), ignore_unknown_args)
+
+    def validate_args(args, *rest, **kwargs):
+        out = validate(args, *rest, **kwargs)
+        _check_and_install(args)
+        return out
+
+    parse_args.__striped_sp_original__ = parse
+    validate_args.__striped_sp_original__ = validate
+    module.parse_args = parse_args
+    module.validate_args = validate_args
+
+
+def _check_and_install(args) -> None:
+    validate_args(args)
+    algo = getattr(args, "context_parallel_algo", DEFAULT_ALGO)
+    if algo != DEFAULT_ALGO:
+        install(algo)
+
+
+def main(argv: Optional[list] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = None
+    if argv[:1] == ["--megatron-lm-dir"]:
+        if len(argv) < 2:
+            raise SystemExit("--megatron-lm-dir needs a directory")
+        path, argv = argv[1], argv[2:]
+    try:
+        root = find_megatron_lm(path)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import megatron.training.initialize as initialize
+
+    hook_initialize(initialize)
+    script = os.path.join(root, "pretrain_gpt.py")
+    sys.argv = [script] + argv
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

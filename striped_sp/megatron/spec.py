@@ -1,0 +1,73 @@
+"""``patch_layer_spec``: swap every core_attention of a megatron-core spec for ours.
+
+Works on anything the GPT spec providers return: a single layer ``ModuleSpec``, a decoder
+``TransformerBlockSubmodules`` (MoE), a list of layer specs, and an MTP block spec.  The
+input is never modified: the result is a deep copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from .arguments import check_algo, layout_of
+
+__all__ = ["patch_layer_spec", "replace_core_attention", "core_attention_spec"]
+
+_SKIP_FIELDS = ("module", "params", "metainfo")
+
+
+def core_attention_spec(algo: str = "striped", backend: str = "auto"):
+    """A ``ModuleSpec`` building :class:`ContextParallelAttention` with ``algo``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .attention import ContextParallelAttention
+
+    layout_of(algo)  # ValueError for native / unknown
+    return ModuleSpec(module=ContextParallelAttention, params={"algo": algo, "backend": backend})
+
+
+def _swap(node, replacement, seen: set) -> int:
+    """Replace every ``core_attention`` field below ``node`` in place; count the swaps."""
+    if node is None or id(node) in seen or node is replacement:
+        return 0
+    seen.add(id(node))
+    count = 0
+    if isinstance(node, (list, tuple)):
+        for item in node:
+            count += _swap(item, replacement, seen)
+        return count
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            if f.name in _SKIP_FIELDS:
+                continue
+            if f.name == "core_attention":
+                setattr(node, f.name, replacement)
+                count += 1
+            else:
+                count += _swap(getattr(node, f.name), replacement, seen)
+    return count
+
+
+def replace_core_attention(spec, core_attention):
+    """A deep copy of ``spec`` with every ``core_attention`` set to ``core_attention``
+    (a ``ModuleSpec`` or module class).  ``ValueError`` if the spec has none."""
+    patched = copy.deepcopy(spec)
+    if _swap(patched, core_attention, set()) == 0:
+        raise ValueError(
+            f"found no core_attention in {type(spec).__name__}: pass a GPT layer, "
+            "decoder block or MTP block spec"
+        )
+    return patched
+
+
+def patch_layer_spec(spec, algo: str = "striped", backend: str = "auto"):
+    """A copy of ``spec`` whose every core attention is ``ContextParallelAttention(algo)``.
+
+    ``algo="native"`` returns ``spec`` unchanged; ``None`` (an MTP block spec for a stage with
+    no MTP layers) is returned as is.  A spec without any core_attention raises ``ValueError``.
+    """
+    check_algo(algo)
+    if spec is None or algo == "native":
+        return spec
+    return replace_core_attention(spec, core_attention_spec(algo, backend))

@@ -1,0 +1,230 @@
+"""megatron-core GPT with ContextParallelAttention on 4 gloo ranks, against CP=1.
+
+One spawn of 4 ranks runs every case: Megatron's parallel_state has CP=4; CP=2 uses the
+sub-groups [0, 2] and [1, 3] (non-adjacent ranks), CP=1 a group per rank.  The CP=1
+reference model uses an independent core attention (torch SDPA on the whole sequence).
+"""
+
+import itertools
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import striped_sp
+from dist_helper import run_cases
+from reference import rel_err
+
+pytest.importorskip("megatron.core")
+
+SEED = random.randrange(2**31)  # differs in each spawned rank: cases get their seed as an argument
+ALGOS = {"striped": "striped", "zigzag": "zigzag", "ring": "contiguous"}
+HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+POS = ["rope", "learned_absolute"]
+SEQ = 40  # a multiple of 2 * 4, not a power of two
+VOCAB = 48
+
+_env = {}
+
+
+class ReferenceCoreAttention(torch.nn.Module):
+    """Megatron's core-attention contract on one rank: torch SDPA over the whole sequence."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        out = out.permute(2, 0, 1, 3)
+        return out.reshape(out.size(0), out.size(1), -1)
+
+
+def _setup():
+    """parallel_state with CP=4, install('striped'), and this rank's CP=1 / CP=2 / CP=4 groups."""
+    if _env:
+        return _env
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    import striped_sp.megatron as sm
+    from striped_sp.megatron.toy import single_rank_group
+
+    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+    sm.install("striped")
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    _env[1] = single_rank_group()
+    _env[2] = pairs[dist.get_rank() % 2]
+    _env[4] = parallel_state.get_context_parallel_group()
+    return _env
+
+
+def _batch(seed, batch=2, seq=SEQ):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    loss_mask = (torch.rand(batch, seq, generator=gen) > 0.2).float()
+    position_ids = torch.arange(seq).expand(batch, seq).contiguous()
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+
+
+def _loss(model, b):
+    out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    return (out * b["loss_mask"]).sum()
+
+
+def check_gpt(cp, algo, pos, heads, seed, mtp=None):
+    env = _setup()
+    import striped_sp.megatron as sm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from striped_sp.megatron.spec import replace_core_attention
+    from striped_sp.megatron.toy import tiny_gpt
+
+    sm.install(algo)  # RoPE slicing and MTP roll follow the algo under test
+    h, kvh = HEADS[heads]
+    common = dict(vocab_size=VOCAB, max_seq_len=SEQ, hidden=32, heads=h, kv_heads=kvh, layers=2,
+                  position_embedding_type=pos, seed=seed, mtp_layers=mtp)
+    if mtp:  # Megatron divides the MTP loss by each CP rank's own token count unless per-token
+        common["calculate_per_token_loss"] = True
+    ref_spec = replace_core_attention(get_gpt_layer_local_spec(), ModuleSpec(module=ReferenceCoreAttention))
+    ref = tiny_gpt(env[1], algo, spec=ref_spec, **common)
+    model = tiny_gpt(env[cp], algo, **common)
+    if mtp:  # MTP's training-mode loss logging is CUDA-only; its loss still reaches the grads
+        ref.eval()
+        model.eval()
+    b = _batch(seed + 1)
+
+    ref_loss = _loss(ref, b)
+    ref_loss.backward()
+    local = sm.get_batch_on_this_cp_rank(b, algo, cp_group=env[cp])
+    loss = _loss(model, local)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=env[cp])
+    assert rel_err(total, ref_loss.detach()) < 1e-5, (total.item(), ref_loss.item())
+    bad = {}
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=env[cp])
+        err = rel_err(g, p_ref.grad)
+        if not err < 1e-4:
+            bad[name] = err
+    assert not bad, f"seed={seed}: gradient errors above 1e-4: {bad}"
+
+
+def check_batch_slicing(cp, algo, seed):
+    env = _setup()
+    import striped_sp.megatron as sm
+
+    group = env[cp]
+    rank = dist.get_rank(group)
+    b = _batch(seed)
+    b["attention_mask"] = torch.rand(2, 1, SEQ, SEQ, generator=torch.Generator().manual_seed(seed)) > 0.5
+    b["cu_seqlens"] = None
+    got = sm.get_batch_on_this_cp_rank(b, algo, cp_group=group)
+    assert list(got) == list(b)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(got[key], striped_sp.shard(b[key], cp, rank, dim=1, layout=ALGOS[algo])), key
+    assert torch.equal(got["attention_mask"], striped_sp.shard(b["attention_mask"], cp, rank, dim=2,
+                                                               layout=ALGOS[algo]))
+    assert got["cu_seqlens"] is None
+
+
+def check_native_slicing_is_zigzag(seed):
+    """Megatron's own slicing (cp_group=None: parallel_state, CP=4) is our zigzag layout."""
+    _setup()
+    import striped_sp.megatron as sm
+
+    b = _batch(seed)
+    native = sm.get_batch_on_this_cp_rank(dict(b), "native")
+    zigzag = sm.get_batch_on_this_cp_rank(dict(b), "zigzag")
+    for key in b:
+        assert torch.equal(native[key], zigzag[key]), key
+
+
+def check_installed_slicing(algo, seed):
+    """Under install, Megatron's own get_batch_on_this_cp_rank follows the algo."""
+    _setup()
+    import megatron.core.utils as mcu
+
+    import striped_sp.megatron as sm
+
+    sm.install(algo)
+    b = _batch(seed)
+    got = mcu.get_batch_on_this_cp_rank(dict(b))
+    want = sm.get_batch_on_this_cp_rank(dict(b), algo)
+    assert all(torch.equal(got[k], want[k]) for k in b)
+
+
+def check_mtp_roll(cp, algo, shifts, seed):
+    env = _setup()
+    import striped_sp.megatron as sm
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    group = env[cp]
+    rank = dist.get_rank(group)
+    layout = ALGOS[algo]
+    full = torch.randint(1, 100, (3, SEQ), generator=torch.Generator().manual_seed(seed))
+    want = torch.roll(full, shifts, dims=-1)
+    if shifts < 0:
+        want[:, shifts:] = 0
+    want = striped_sp.shard(want, cp, rank, layout=layout)
+    got, total = sm.roll_tensor(striped_sp.shard(full, cp, rank, layout=layout), shifts, -1, group, algo=algo)
+    assert torch.equal(got, want)
+    assert total.item() == want.sum().item()
+    if shifts == -1:  # the installed roll, as MTP calls it
+        sm.install(algo)
+        got2, _ = mtp.roll_tensor(striped_sp.shard(full, cp, rank, layout=layout), shifts=-1, dims=-1,
+                                  cp_group=group, packed_seq_params=None)
+        assert torch.equal(got2, want)
+
+
+def check_bad_length_raises_everywhere(cp, seed):
+    """A sequence the layout cannot split raises ValueError on every rank, before any message."""
+    env = _setup()
+    import striped_sp.megatron as sm
+
+    b = _batch(seed, seq=SEQ + 1)
+    with pytest.raises(ValueError, match="multiple"):
+        sm.get_batch_on_this_cp_rank(b, "striped", cp_group=env[cp])
+    dist.barrier()
+
+
+def _cases():
+    cases = []
+    for cp, algo, pos, heads in itertools.product([2, 4], ALGOS, POS, HEADS):
+        cases.append((f"gpt-cp{cp}-{algo}-{pos}-{heads}", check_gpt, (cp, algo, pos, heads, SEED)))
+    cases.append(("gpt-cp2-striped-mtp", check_gpt, (2, "striped", "rope", "gqa", SEED + 7, 1)))
+    cases.append(("gpt-cp4-ring-mtp", check_gpt, (4, "ring", "learned_absolute", "mha", SEED + 8, 1)))
+    for cp, algo in itertools.product([2, 4], ALGOS):
+        cases.append((f"slice-cp{cp}-{algo}", check_batch_slicing, (cp, algo, SEED + 1)))
+        cases.append((f"roll-cp{cp}-{algo}", check_mtp_roll, (cp, algo, -1, SEED + 2)))
+    cases.append(("roll-cp4-striped-shift-3", check_mtp_roll, (4, "striped", -3, SEED + 3)))
+    cases.append(("native-slicing-is-zigzag", check_native_slicing_is_zigzag, (SEED + 4,)))
+    for algo in ALGOS:
+        cases.append((f"installed-slicing-{algo}", check_installed_slicing, (algo, SEED + 5)))
+    cases.append(("bad-length-cp4", check_bad_length_raises_everywhere, (4, SEED + 6)))
+    return cases
+
+
+CASES = _cases()
+_results = {}
+
+
+def _result(name):
+    if not _results:
+        _results.update(run_cases(4, CASES))
+    return _results[name]
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in CASES])
+def test_megatron_on_4_ranks(name):
+    err = _result(name)
+    assert err is None, err

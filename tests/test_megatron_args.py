@@ -1,0 +1,68 @@
+"""striped_sp.megatron's arguments without megatron-core: the flag, chaining, each validation error."""
+
+import argparse
+import re
+import types
+
+import pytest
+
+import striped_sp.megatron as sm
+
+
+# ---------------------------------------------------------------- arguments
+
+def _args(**kw):
+    base = dict(context_parallel_algo="striped", context_parallel_size=4, seq_length=4096,
+                cp_comm_type=["p2p"], hybrid_context_parallel=False, attention_dropout=0.0)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_flag_default_and_choices():
+    parser = sm.add_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).context_parallel_algo == "native"
+    for algo in ("native", "striped", "zigzag", "ring"):
+        assert parser.parse_args(["--context-parallel-algo", algo]).context_parallel_algo == algo
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--context-parallel-algo", "bogus"])
+    assert sm.add_arguments(parser) is parser  # adding twice is a no-op
+
+
+def test_chain_providers():
+    def other(parser):
+        parser.add_argument("--other", type=int, default=3)
+        return parser
+
+    provider = sm.chain_providers(other, None, sm.add_arguments)
+    ns = provider(argparse.ArgumentParser()).parse_args(["--other", "5", "--context-parallel-algo", "ring"])
+    assert (ns.other, ns.context_parallel_algo) == (5, "ring")
+
+
+def test_layout_of():
+    assert [sm.layout_of(a) for a in ("striped", "zigzag", "ring")] == ["striped", "zigzag", "contiguous"]
+    with pytest.raises(ValueError, match="native"):
+        sm.layout_of("native")
+
+
+def test_valid_settings_pass():
+    sm.validate_args(_args())
+    sm.validate_args(_args(context_parallel_size=1, context_parallel_algo="native", attention_dropout=0.1))
+    sm.validate_args(_args(seq_length=4 * 3 * 5))  # striped needs only a multiple of CP
+    sm.validate_args(_args(cp_comm_type="p2p"))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(context_parallel_size=1), "--context-parallel-size"),
+    (dict(seq_length=4098), "--seq-length"),
+    (dict(context_parallel_algo="zigzag", seq_length=4 * 3), "2 * --context-parallel-size"),
+    (dict(cp_comm_type=["a2a"]), "--cp-comm-type"),
+    (dict(cp_comm_type=["p2p", "a2a+p2p"]), "--cp-comm-type"),
+    (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    (dict(attention_dropout=0.1), "--attention-dropout 0"),
+    (dict(sft=True), "packed THD"),
+    (dict(reset_attention_mask=True), "--reset-attention-mask"),
+    (dict(hierarchical_context_parallel_sizes=[2, 2]), "--hierarchical-context-parallel-sizes"),
+])
+def test_each_validation_error_names_the_setting(kw, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        sm.validate_args(_args(**kw))

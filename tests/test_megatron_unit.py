@@ -1,0 +1,319 @@
+"""The Megatron adapter in one process: specs, core attention, install/uninstall, RoPE rows, patch, entry."""
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+import striped_sp
+import striped_sp.megatron as sm
+
+warnings.filterwarnings("ignore")
+pytest.importorskip("megatron.core")
+
+
+# ---------------------------------------------------------------- specs and the core-attention module
+
+def _core_attentions(spec):
+    """Every core_attention builder in a spec tree."""
+    found, seen = [], set()
+
+    def walk(node):
+        if node is None or id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                if f.name == "core_attention":
+                    found.append(getattr(node, f.name))
+                elif f.name not in ("module", "params", "metainfo"):
+                    walk(getattr(node, f.name))
+
+    walk(spec)
+    return found
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def test_patch_layer_spec_layer_block_and_mtp():
+    from megatron.core.models.gpt import gpt_layer_specs as gls
+
+    from striped_sp.megatron.attention import ContextParallelAttention
+
+    layer = gls.get_gpt_layer_local_spec()
+    patched = sm.patch_layer_spec(layer, "zigzag")
+    (ca,) = _core_attentions(patched)
+    assert ca.module is ContextParallelAttention and ca.params["algo"] == "zigzag"
+    assert _core_attentions(layer)[0] is not ca  # the input is untouched
+
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec_for_backend,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    # what get_gpt_decoder_block_spec returns for MoE (it needs parallel_state to slice stages)
+    moe = _config(num_moe_experts=4, moe_layer_freq=[1, 0], moe_ffn_hidden_size=32)
+    block = TransformerBlockSubmodules(layer_specs=gls.get_gpt_decoder_layer_specs(moe, False))
+    found = _core_attentions(sm.patch_layer_spec(block))
+    assert len(found) == 2 and all(c.module is ContextParallelAttention for c in found)
+
+    # what get_gpt_mtp_block_spec returns
+    from megatron.core.models.backends import LocalSpecProvider
+
+    mtp = MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec_for_backend(transformer_layer_spec=layer, backend=LocalSpecProvider())])
+    found = _core_attentions(sm.patch_layer_spec(mtp, "ring"))
+    assert found and all(c.params["algo"] == "ring" for c in found)
+
+    assert sm.patch_layer_spec(None) is None
+    assert sm.patch_layer_spec(layer, "native") is layer
+    with pytest.raises(ValueError, match="no core_attention"):
+        sm.patch_layer_spec(gls.get_mlp_module_spec(use_te=False))
+
+
+def test_core_attention_rejects_unsupported_settings():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    pgc = types.SimpleNamespace(cp=group, tp=types.SimpleNamespace(size=lambda: 1))
+    kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", pg_collection=pgc)
+    with pytest.raises(ValueError, match="--attention-dropout 0"):
+        sm.ContextParallelAttention(_config(attention_dropout=0.1), **kw)
+    with pytest.raises(ValueError, match="--cp-comm-type"):
+        sm.ContextParallelAttention(_config(), cp_comm_type="a2a", **kw)
+    with pytest.raises(ValueError, match="--context-parallel-algo"):
+        sm.ContextParallelAttention(_config(), algo="native", **kw)
+    attn = sm.ContextParallelAttention(_config(), algo="ring", **kw)
+    assert attn.layout == "contiguous" and attn.cp_group is group
+    q = torch.randn(6, 1, 4, 8)
+    kv = torch.randn(6, 1, 2, 8)
+    with pytest.raises(ValueError, match="packed THD"):
+        attn(q, kv, kv, None, packed_seq_params=object())
+    with pytest.raises(ValueError, match="inference/generation"):
+        attn(q, kv[:3], kv[:3], None)
+    with pytest.raises(ValueError, match="attn_mask_type"):
+        attn(q, kv, kv, None, attn_mask_type=AttnMaskType.arbitrary)
+    # no pg_collection: the CP group comes from parallel_state (not initialized here)
+    lone = sm.ContextParallelAttention(_config(), 1, AttnMaskType.causal, "self")
+    assert lone.cp_group is None
+    with pytest.raises(ValueError, match="no context-parallel group"):
+        lone(q, kv, kv, None)
+
+
+# ---------------------------------------------------------------- install / uninstall and RoPE
+
+def _targets():
+    from megatron.core import utils as core_utils
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding as rpe
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+    from megatron.core.models.gpt import gpt_layer_specs as gls, gpt_model
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    return {
+        "rope_utils.get_pos_emb": (rope_utils, "get_pos_emb_on_this_cp_rank"),
+        "rotary.get_pos_emb": (rpe, "get_pos_emb_on_this_cp_rank"),
+        "yarn.get_pos_emb": (yarn, "get_pos_emb_on_this_cp_rank"),
+        "RotaryEmbedding.get_emb": (rpe.RotaryEmbedding, "get_emb"),
+        "YarnRotaryEmbedding.get_emb": (yarn.YarnRotaryEmbedding, "get_emb"),
+        "utils.get_batch": (core_utils, "get_batch_on_this_cp_rank"),
+        "utils.get_thd_batch": (core_utils, "get_thd_batch_on_this_cp_rank"),
+        "specs.local": (gls, "get_gpt_layer_local_spec"),
+        "specs.block": (gls, "get_gpt_decoder_block_spec"),
+        "specs.mtp": (gls, "get_gpt_mtp_block_spec"),
+        "mtp.roll": (mtp, "roll_tensor"),
+        "gpt_model.roll": (gpt_model, "roll_tensor"),
+    }
+
+
+def _snapshot():
+    return {k: getattr(owner, attr) for k, (owner, attr) in _targets().items()}
+
+
+def test_install_is_idempotent_and_uninstall_restores():
+    sm.uninstall()
+    before = _snapshot()
+    sm.install("striped")
+    after = _snapshot()
+    changed = [k for k in before if after[k] is before[k]]
+    assert not changed, f"install left these unpatched: {changed}"
+    sm.install("striped")
+    assert _snapshot() == after  # idempotent: nothing wrapped twice
+    sm.install("zigzag")
+    assert sm.installed_algo() == "zigzag" and _snapshot() == after
+    sm.uninstall()
+    assert _snapshot() == before and sm.installed_algo() is None
+    sm.uninstall()
+    assert _snapshot() == before
+    sm.install("native")
+    assert _snapshot() == before
+
+
+def test_installed_spec_providers_return_our_attention():
+    from megatron.core.models.gpt import gpt_layer_specs as gls
+
+    from striped_sp.megatron.attention import ContextParallelAttention
+
+    try:
+        sm.install("ring")
+        (ca,) = _core_attentions(gls.get_gpt_layer_local_spec())
+        assert ca.module is ContextParallelAttention and ca.params["algo"] == "ring"
+    finally:
+        sm.uninstall()
+    (ca,) = _core_attentions(gls.get_gpt_layer_local_spec())
+    assert getattr(ca, "module", ca) is not ContextParallelAttention
+
+
+class _FakeGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("algo", ["striped", "zigzag", "ring"])
+def test_rope_rows_follow_positions_on_cpu(algo):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    seq, cp = 48, 4
+    try:
+        sm.install(algo)
+        for rank in range(cp):
+            group = _FakeGroup(cp, rank)
+            pos = striped_sp.positions(seq, cp, rank, sm.layout_of(algo))
+            # use_cpu_initialization=False: __init__ asks for the CUDA device, which install maps to CPU
+            rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, cp_group=group)
+            full = rope.get_emb(seq)
+            assert full.device.type == "cpu"
+            assert torch.equal(rope(seq), full.index_select(0, pos))
+            yarn = YarnRotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,
+                                       cp_group=group)
+            emb, _ = yarn(seq)
+            full, _ = yarn.get_emb(seq)
+            assert torch.equal(emb, full.index_select(0, pos))
+    finally:
+        sm.uninstall()
+
+
+def test_native_rope_slicing_equals_zigzag():
+    emb = torch.randn(40, 1, 1, 8)
+    for rank in range(4):
+        g = _FakeGroup(4, rank)
+        assert torch.equal(sm.get_pos_emb_on_this_cp_rank(emb, 0, g, algo="native"),
+                           striped_sp.shard(emb, 4, rank, dim=0, layout="zigzag"))
+
+
+def test_installed_thd_slicing_refuses():
+    from megatron.core import utils as core_utils
+
+    try:
+        sm.install("striped")
+        with pytest.raises(ValueError, match="packed THD"):
+            core_utils.get_thd_batch_on_this_cp_rank({}, None, None, None)
+    finally:
+        sm.uninstall()
+
+
+# ---------------------------------------------------------------- the Megatron-LM patch
+
+_PATCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "patches", "megatron_lm_core_v0.16.1_context_parallel_algo.patch")
+
+
+def test_patch_file_exists():
+    assert os.path.isfile(_PATCH)
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
+                    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
+def test_patch_applies_to_megatron_lm():
+    if shutil.which("git") is None:
+        pytest.skip("git not found")
+    res = subprocess.run(["git", "apply", "--check", _PATCH], cwd=os.environ["MEGATRON_LM_DIR"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+# ---------------------------------------------------------------- the no-patch entry
+
+def test_entry_hooks_megatron_parse_and_validate(tmp_path, monkeypatch):
+    from striped_sp.megatron import pretrain_gpt as entry
+
+    calls = []
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--context-parallel-size", type=int, default=1)
+        parser.add_argument("--seq-length", type=int, default=None)
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return parser.parse_args(["--context-parallel-size", "2", "--seq-length", "64",
+                                  "--context-parallel-algo", "striped", "--extra", "1"])
+
+    def validate_args(args, defaults={}):
+        calls.append("megatron")
+
+    def other_provider(parser):
+        parser.add_argument("--extra", type=int)
+        return parser
+
+    fake = types.SimpleNamespace(parse_args=parse_args, validate_args=validate_args)
+    entry.hook_initialize(fake)
+    entry.hook_initialize(fake)  # idempotent
+    args = fake.parse_args(other_provider)
+    assert (args.context_parallel_algo, args.extra) == ("striped", 1)
+    try:
+        fake.validate_args(args, {})
+        assert calls == ["megatron"] and sm.installed_algo() == "striped"
+    finally:
+        sm.uninstall()
+    args.context_parallel_size = 1
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        fake.validate_args(args, {})
+
+    monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="MEGATRON_LM_DIR"):
+        entry.find_megatron_lm()
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert entry.find_megatron_lm() == str(tmp_path)
+
+
+def test_install_reaches_by_name_copies_in_loaded_scripts(monkeypatch):
+    """pretrain_gpt.py imports get_batch_on_this_cp_rank by name: install patches that copy too."""
+    from megatron.core import utils as core_utils
+
+    original = core_utils.get_batch_on_this_cp_rank
+    script = types.ModuleType("pretrain_gpt")
+    script.get_batch_on_this_cp_rank = original
+    script.unrelated = len
+    monkeypatch.setitem(sys.modules, "pretrain_gpt", script)
+    try:
+        sm.install("striped")
+        assert script.get_batch_on_this_cp_rank is core_utils.get_batch_on_this_cp_rank is not original
+        assert script.unrelated is len
+    finally:
+        sm.uninstall()
+    assert script.get_batch_on_this_cp_rank is original is core_utils.get_batch_on_this_cp_rank
