@@ -22,10 +22,10 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     for the block's query rows); ``block_out`` ``[b, s, h, d]`` any float dtype; ``block_lse``
     float32 ``[b, h, s]``.  Uses the sigmoid form of the softmax merge, which never subtracts
     two large exponents:
-    ``out -= sigmoid(lse_b - lse) * (out - out_b)``, ``lse -= logsigmoid(lse - lse_b)``.
+    ``out += sigmoid(lse_b - lse) * (out_b - out)``, ``lse -= logsigmoid(lse - lse_b)``.
     """
     weight = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
-    out.sub_(weight * (out - block_out))
+    out.lerp_(block_out.to(out.dtype), weight)  # one pass, no temporaries
     lse.sub_(F.logsigmoid(lse - block_lse))
 
 

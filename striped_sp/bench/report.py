@@ -1,0 +1,79 @@
+"""Plain tables on stdout, JSON files and PNG plots of the benchmark records."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Sequence
+
+__all__ = ["format_table", "write_json", "plot_speedup"]
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
+    """``columns``: (key, header) pairs; values formatted plainly, right-aligned."""
+    cells = [[_cell(r.get(k)) for k, _ in columns] for r in rows]
+    heads = [h for _, h in columns]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(heads)]
+    left = {0}  # first column left-aligned
+
+    def line(vals):
+        return "  ".join(v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+
+    out = [line(heads), "  ".join("-" * w for w in widths)]
+    out += [line(c) for c in cells]
+    return "\n".join(out)
+
+
+def write_json(path: str, records: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+
+
+def plot_speedup(path: str, records: list[dict], series_key: str, title: str, pass_name: str | None = None,
+                 theory: bool = True) -> None:
+    """PNG of ``speedup_vs_contiguous`` against ``seq_len``: one line per (series, world_size), and
+    with ``theory`` a dotted line at the work model's balanced-layout speedup ``(2N-1)/N``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if (pass_name is None or r.get("pass") == pass_name)
+            and r.get("speedup_vs_contiguous") is not None]
+    sizes = sorted({r["world_size"] for r in recs})
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    for i, n in enumerate(sizes):
+        for name in sorted({r[series_key] for r in recs if r["world_size"] == n}):
+            pts = sorted((r["seq_len"], r["speedup_vs_contiguous"]) for r in recs
+                         if r["world_size"] == n and r[series_key] == name)
+            label = f"{name} (N={n})" if len(sizes) > 1 else name
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)], marker="o", label=label)
+    if theory:
+        for n in sizes:
+            ax.axhline((2 * n - 1) / n, color="black", linestyle=":", linewidth=0.8)
+            ax.annotate(f"work model, N={n}: {(2 * n - 1) / n:.3f}", xy=(0.01, (2 * n - 1) / n), fontsize=7,
+                        xycoords=("axes fraction", "data"), va="bottom")
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo, max(hi, max((2 * n - 1) / n for n in sizes) + 0.08)) if sizes else None
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("speedup over contiguous")
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

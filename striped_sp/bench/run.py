@@ -1,0 +1,295 @@
+"""Real multi-process runs: spawned ranks (gloo on CPU, NCCL on CUDA), median fwd+bwd wall time.
+
+Every rank builds random local q, k, v for its shard, then for each sequence length runs every
+implementation (our layouts through :func:`striped_sp.ring_attention`, then the peers of
+:mod:`.peers`) in turn, round-robin, so that load from other processes on the machine hits all of
+them alike.  One iteration is: barrier, forward, backward of ``(out * dout).sum()``, device sync;
+its time is the slowest rank's (all-reduce max).  The first ``warmup`` iterations are dropped; the
+record is the median of the next ``iters``.  Each peer's output is checked once against
+``ring_attention`` with the peer's layout on the same local inputs (``max_abs_err``).
+
+With ``profile=True`` our layouts also report, per rank, where forward and backward time goes:
+kernel calls, the fp32 merge, waits on the ring transfers, and the rest (slicing, accumulation,
+allocation), by timing wrappers installed in the worker processes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .. import attention as _attention
+from .. import ring as _ring
+from ..attention import ring_attention
+from ..kernels import Kernel, resolve_kernel
+from ..layouts import get_layout
+from .common import median, pick_dtype, progress, sync
+from .peers import PEERS, PeerSkip
+
+__all__ = ["RunConfig", "run"]
+
+
+@dataclasses.dataclass
+class RunConfig:
+    world_size: int = 2
+    seq_lens: tuple = (8192,)
+    layouts: tuple = ("striped", "zigzag", "contiguous")
+    peers: tuple = ("torch_ring", "ulysses")
+    batch: int = 1
+    heads: int = 4
+    kv_heads: int | None = None
+    head_dim: int = 64
+    dtype: str = "auto"
+    device: str = "auto"  # "cpu" or "cuda"; auto: CUDA when there are enough GPUs
+    backend: str = "auto"
+    warmup: int = 2
+    iters: int = 7
+    threads: int | None = None  # CPU threads per rank; default cores // world_size
+    profile: bool = False
+    pin: bool = True  # CPU: pin rank r to its own core(s) when there are enough
+    progress: bool = True
+    force_peers: bool = False
+    timeout_s: float = 900.0
+
+
+# ---------------------------------------------------------------------------------------------
+# profiling wrappers (installed in worker processes only)
+# ---------------------------------------------------------------------------------------------
+
+class _Clock:
+    def __init__(self, device):
+        self.device = device
+        self.phase = "fwd"
+        self.t = {}
+
+    def add(self, what, dt):
+        key = f"{self.phase}_{what}"
+        self.t[key] = self.t.get(key, 0.0) + dt
+
+    def timed(self, what, fn, *a, **kw):
+        sync(self.device)
+        t0 = time.perf_counter()
+        res = fn(*a, **kw)
+        sync(self.device)
+        self.add(what, time.perf_counter() - t0)
+        return res
+
+
+class _TimedKernel(Kernel):
+    def __init__(self, inner: Kernel, clock: _Clock):
+        self.inner, self.clock, self.name = inner, clock, inner.name
+
+    def forward(self, *a):
+        return self.clock.timed("kernel", self.inner.forward, *a)
+
+    def backward(self, *a):
+        return self.clock.timed("kernel", self.inner.backward, *a)
+
+
+def _install_profiler(clock: _Clock):
+    merge = _attention.merge_block
+    wait = _ring.Transfer.wait
+    _attention.merge_block = lambda *a: clock.timed("merge", merge, *a)
+    _ring.Transfer.wait = lambda self: clock.timed("wait", wait, self)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker
+# ---------------------------------------------------------------------------------------------
+
+def _fwd_bwd(fn, q, k, v, dout):
+    for t in (q, k, v):
+        t.grad = None
+    out = fn(q, k, v)
+    (out * dout).sum().backward()
+    return out
+
+
+def _worker(rank, cfg: RunConfig, device_type, init_file, results):
+    try:
+        _worker_body(rank, cfg, device_type, init_file, results)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
+    n_ranks = cfg.world_size
+    if device_type == "cpu":
+        threads = cfg.threads or max(1, (os.cpu_count() or 1) // n_ranks)
+        torch.set_num_threads(threads)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if cfg.pin and len(cores) >= n_ranks * threads:
+            # one rank per core(s): no migrations between the ranks' compute threads
+            os.sched_setaffinity(0, cores[rank * threads:(rank + 1) * threads])
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=n_ranks,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                            **({"device_id": device} if device_type == "cuda" else {}))
+    group = dist.group.WORLD
+    dtype = pick_dtype(cfg.dtype, device)
+    kvh = cfg.kv_heads or cfg.heads
+    gen = torch.Generator().manual_seed(1234 + rank)
+    clock = _Clock(device)
+    if cfg.profile:
+        _install_profiler(clock)
+    kernel = resolve_kernel(cfg.backend, device, dtype)
+    records, notes, profile = [], {}, []
+    tasks = [(s, i) for s in cfg.seq_lens for i in range(cfg.warmup + cfg.iters)]
+    bar = progress(tasks, total=len(tasks), desc=f"run N={n_ranks}", enabled=cfg.progress and rank == 0)
+    current = None
+    for seq, it in bar:
+        if seq != current:
+            current = seq
+            n = seq // n_ranks
+            for lay in cfg.layouts:
+                get_layout(lay).check_seq_len(seq, n_ranks)
+
+            def rnd(h, n=n):
+                x = torch.randn((cfg.batch, n, h, cfg.head_dim), generator=gen)
+                return x.to(device, dtype)
+
+            q, k, v, dout = rnd(cfg.heads).requires_grad_(), rnd(kvh).requires_grad_(), \
+                rnd(kvh).requires_grad_(), rnd(cfg.heads)
+            impls = {}
+            for lay in cfg.layouts:
+                impls[lay] = (lambda a, b, c, lay=lay: ring_attention(a, b, c, group, layout=lay,
+                                                                       backend=cfg.backend), lay)
+            for peer in cfg.peers:
+                try:
+                    impls[peer] = PEERS[peer](group, {"force_peers": cfg.force_peers}, q, k, v)
+                except PeerSkip as e:
+                    notes[(seq, peer)] = f"skipped: {e}"
+            samples = {name: [] for name in impls}
+            prof = {name: {} for name in cfg.layouts}
+        for name in list(impls):
+            fn, lay = impls[name]
+            failed = torch.zeros(1, device=device)
+            dist.barrier()
+            clock.t, clock.phase = {}, "fwd"
+            t0 = time.perf_counter()
+            try:
+                if cfg.profile and name in cfg.layouts:
+                    out = _profiled_step(q, k, v, dout, group, lay, kernel, clock)
+                else:
+                    out = _fwd_bwd(fn, q, k, v, dout)
+                sync(device)
+            except Exception as e:  # noqa: BLE001 - a peer failing here is a skip, not a crash
+                if name in cfg.layouts:
+                    raise
+                failed += 1
+                notes[(seq, name)] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            dt = torch.tensor([time.perf_counter() - t0], device=device)
+            dist.all_reduce(failed)
+            if failed.item():
+                notes.setdefault((seq, name), "skipped: failed on another rank")
+                del impls[name]
+                continue
+            if it == 0 and name in cfg.peers:
+                ref = ring_attention(q.detach(), k.detach(), v.detach(), group, layout=lay, backend=cfg.backend)
+                err = (out.detach().float() - ref.float()).abs().max().reshape(1)
+                dist.all_reduce(err, op=dist.ReduceOp.MAX)
+                notes[(seq, name)] = f"{lay} layout, max_abs_err vs ring_attention {err.item():.1e}"
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if it >= cfg.warmup:
+                samples[name].append(dt.item())
+                for key, val in clock.t.items():
+                    prof.setdefault(name, {}).setdefault(key, []).append(val)
+        if it == cfg.warmup + cfg.iters - 1:
+            base = median(samples["contiguous"]) if samples.get("contiguous") else None
+            for name, ts in samples.items():
+                if not ts:
+                    continue
+                m = median(ts)
+                records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": m * 1e3,
+                                "speedup_vs_contiguous": base / m if base else None})
+            for name in cfg.peers:
+                if name not in samples or not samples[name]:
+                    records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": None,
+                                    "speedup_vs_contiguous": None})
+            for name, d in prof.items():
+                if d:
+                    profile.append({"impl": name, "seq_len": seq, "rank": rank,
+                                    **{k2: median(v2) * 1e3 for k2, v2 in d.items()},
+                                    "total": median(samples[name]) * 1e3})
+    results.put(("ok", rank, (records, {f"{s}|{p}": m for (s, p), m in notes.items()}, profile)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _profiled_step(q, k, v, dout, group, layout, kernel, clock):
+    """One fwd+bwd of our ring attention with the timing kernel; phase totals in ``clock``."""
+    for t in (q, k, v):
+        t.grad = None
+    timed = _TimedKernel(kernel, clock)
+    t0 = time.perf_counter()
+    out = _attention._RingAttention.apply(q, k, v, group, get_layout(layout), True, q.size(-1) ** -0.5, timed)
+    sync(clock.device)
+    clock.t["fwd_total"] = time.perf_counter() - t0
+    clock.phase = "bwd"
+    t0 = time.perf_counter()
+    (out * dout).sum().backward()
+    sync(clock.device)
+    clock.t["bwd_total"] = time.perf_counter() - t0
+    return out
+
+
+def run(cfg: RunConfig):
+    """Spawn the ranks; returns (records, notes, profile rows).
+
+    ``records``: ``{"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous"}``;
+    ``notes``: ``{(seq_len, impl): text}``; ``profile``: per (impl, seq_len, rank) milliseconds.
+    """
+    if cfg.device == "auto":
+        device_type = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world_size else "cpu"
+    else:
+        device_type = torch.device(cfg.device).type
+    if device_type == "cuda" and torch.cuda.device_count() < cfg.world_size:
+        raise ValueError(f"world_size={cfg.world_size} needs that many GPUs, found {torch.cuda.device_count()}")
+    if "contiguous" not in cfg.layouts:
+        raise ValueError("run needs the 'contiguous' layout: speedups are relative to it")
+    for peer in cfg.peers:
+        if peer not in PEERS:
+            raise ValueError(f"unknown peer {peer!r}: expected some of {sorted(PEERS)}")
+    for seq in cfg.seq_lens:
+        for lay in cfg.layouts:
+            get_layout(lay).check_seq_len(seq, cfg.world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [ctx.Process(target=_worker, args=(r, cfg, device_type, init_file, results), daemon=True)
+                 for r in range(cfg.world_size)]
+        for p in procs:
+            p.start()
+        got, errors = {}, []
+        try:
+            while len(got) + len(errors) < cfg.world_size:
+                status, rank, payload = results.get(timeout=cfg.timeout_s)
+                (got.__setitem__(rank, payload) if status == "ok" else errors.append(f"rank {rank}: {payload}"))
+                if errors:
+                    break
+        except queue.Empty:
+            errors.append(f"no result within {cfg.timeout_s}s")
+        finally:
+            for p in procs:
+                p.join(timeout=10 if errors else 60)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise RuntimeError("bench run failed:\n" + "\n".join(errors))
+    records, notes, _ = got[0]
+    profile = [row for r in sorted(got) for row in got[r][2]]
+    return records, {tuple((int(k.split("|")[0]), k.split("|")[1])): v for k, v in notes.items()}, profile

@@ -1,0 +1,225 @@
+"""N ranks simulated on one device, with the real kernels.
+
+For every layout, ring size ``N`` and sequence length ``S`` (``n = S / N`` tokens per rank), each
+rank's work at each ring step is what :class:`striped_sp.attention._RingAttention` does there:
+
+* forward: the layout's kernel calls for (rank, source), each followed by the fp32 merge of its
+  (out, lse) into the running accumulators (step 0 starts them from the diagonal block);
+* backward: the kernel backward of the same calls with the final out/lse, then the fp32 dQ and
+  dK/dV accumulation.
+
+Kernel time depends on the call shapes only, so a rank-step is timed once per distinct plan and
+reused for every (rank, step) with that plan (``every_block=True`` times each one separately).
+A step lasts as long as its slowest rank, or as the transfer of the block to the next rank when a
+link bandwidth is given and the transfer is longer (it overlaps the compute).  The critical path
+is the sum of the step times.  The baseline for efficiency is one device running full causal
+attention over all ``S`` tokens, divided by ``N``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..attention import merge_block
+from ..kernels import resolve_kernel
+from ..layouts import get_layout
+from .common import clock_for, median, progress, time_call, time_once
+from .work import step_entries
+
+__all__ = ["SimConfig", "simulate"]
+
+PASSES = ("forward", "backward", "fwd+bwd")
+
+
+@dataclasses.dataclass
+class SimConfig:
+    layouts: tuple = ("striped", "zigzag", "contiguous")
+    world_sizes: tuple = (8,)
+    seq_lens: tuple = (32768,)
+    points: tuple | None = None  # explicit (world_size, seq_len) pairs; default: the product
+    batch: int = 1
+    heads: int = 4
+    kv_heads: int | None = None
+    head_dim: int = 64
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    backend: str = "auto"
+    reps: int = 3
+    link_gbps: float | None = None  # GB/s per ring link; None: compute only
+    every_block: bool = False
+    reference: bool = True  # time the single-device full causal baseline (efficiency)
+    progress: bool = True
+    threads: int | None = 1  # CPU threads (one simulated rank = one core); None: torch's default
+
+
+class _Inputs:
+    """Random q, k, v, dout, out, lse for ``n`` local tokens, and fresh accumulators."""
+
+    def __init__(self, cfg: SimConfig, n: int, gen: torch.Generator):
+        kvh = cfg.kv_heads or cfg.heads
+        b, h, d = cfg.batch, cfg.heads, cfg.head_dim
+
+        def rnd(heads):  # drawn on the device: the reference at 256k tokens is GBs per tensor
+            return torch.randn((b, n, heads, d), generator=gen, device=cfg.device, dtype=cfg.dtype)
+
+        self.q, self.k, self.v, self.dout = rnd(h), rnd(kvh), rnd(kvh), rnd(h)
+        self.scale = d ** -0.5
+        self.kernel = resolve_kernel(cfg.backend, cfg.device, cfg.dtype)
+        out, lse = self.kernel.forward(self.q, self.k, self.v, True, self.scale)
+        self.out, self.lse = out, lse
+        self.acc_out = out.float().clone()
+        self.acc_lse = lse.clone()
+        self.dq = torch.zeros(self.q.shape, dtype=torch.float32, device=cfg.device)
+        self.dk = torch.zeros(self.k.shape, dtype=torch.float32, device=cfg.device)
+        self.dv = torch.zeros(self.v.shape, dtype=torch.float32, device=cfg.device)
+
+    def forward_step(self, calls, first: bool) -> None:
+        kern, scale = self.kernel, self.scale
+        for call in calls:
+            o, l = kern.forward(self.q[:, call.q], self.k[:, call.kv], self.v[:, call.kv], call.causal, scale)
+            if first:
+                # as _Accumulator.add on the first (diagonal) block: fp32 copy of out and lse
+                self._fo, self._fl = o.float(), l.clone()
+                first = False
+            else:
+                merge_block(self.acc_out[:, call.q], self.acc_lse[:, :, call.q], o, l)
+
+    def backward_step(self, calls) -> None:
+        kern, scale = self.kernel, self.scale
+        for call in calls:
+            dq, dk, dv = kern.backward(
+                self.dout[:, call.q], self.q[:, call.q], self.k[:, call.kv], self.v[:, call.kv],
+                self.out[:, call.q], self.lse[:, :, call.q], call.causal, scale,
+            )
+            self.dq[:, call.q] += dq
+            self.dk[:, call.kv] += dk
+            self.dv[:, call.kv] += dv
+
+
+def _plan_key(calls, n):
+    return tuple((c.q.indices(n), c.kv.indices(n), c.causal) for c in calls)
+
+
+def _transfer_s(cfg: SimConfig, n: int, backward: bool, last_step: bool) -> float:
+    """Seconds to send one rank's KV block (and in backward its fp32 dK/dV) over one link."""
+    if not cfg.link_gbps:
+        return 0.0
+    kvh = cfg.kv_heads or cfg.heads
+    elems = 2 * cfg.batch * n * kvh * cfg.head_dim
+    nbytes = 0 if last_step else elems * torch.tensor([], dtype=cfg.dtype).element_size()
+    if backward:
+        nbytes += elems * 4  # the fp32 dK/dV accumulators travel every step (N hops)
+    return nbytes / (cfg.link_gbps * 1e9)
+
+
+def _rank_step_keys(cfg: SimConfig, layout: str, world_size: int, n: int):
+    """``keys[t][r]``: the timing key of rank ``r`` at step ``t``, and ``plans``: key -> (calls, first)."""
+    lay = get_layout(layout)
+    keys, plans = [], {}
+    for t in range(world_size):
+        row = []
+        for r in range(world_size):
+            calls = lay.plan(r, (r - t) % world_size, world_size, n, True)
+            key = (t == 0, _plan_key(calls, n))
+            if cfg.every_block:
+                key = (layout, r, t) + key
+            plans[key] = (calls, t == 0)
+            row.append(key)
+        keys.append(row)
+    return keys, plans
+
+
+def _time_plans(cfg: SimConfig, plans: dict, inputs: "_Inputs", clock) -> dict:
+    """Median (forward, backward) seconds per plan, timed round-robin over all plans (so that a
+    change of machine load hits every plan alike), after one warm-up round."""
+    dev = cfg.device
+    samples = {key: ([], []) for key in plans}
+    for rnd in range(cfg.reps + 1):
+        for key, (calls, first) in plans.items():
+            if not calls:
+                continue
+            fwd = time_once(lambda: inputs.forward_step(calls, first), dev, clock)
+            bwd = time_once(lambda: inputs.backward_step(calls), dev, clock)
+            if rnd > 0:
+                samples[key][0].append(fwd)
+                samples[key][1].append(bwd)
+    return {key: (median(f), median(b)) if f else (0.0, 0.0) for key, (f, b) in samples.items()}
+
+
+def _critical_path(cfg: SimConfig, keys, times: dict, n: int) -> dict:
+    """Critical-path seconds per pass: sum over steps of max(slowest rank, transfer)."""
+    crit = {"forward": 0.0, "backward": 0.0}
+    world_size = len(keys)
+    for t, row in enumerate(keys):
+        last = t == world_size - 1
+        for i, p in enumerate(("forward", "backward")):
+            worst = max(times[key][i] for key in row)
+            crit[p] += max(worst, _transfer_s(cfg, n, p == "backward", last))
+    crit["fwd+bwd"] = crit["forward"] + crit["backward"]
+    return crit
+
+
+def _reference(cfg: SimConfig, seq_len: int, gen: torch.Generator, clock) -> dict:
+    """Single-device full causal attention over ``seq_len`` tokens: seconds per pass."""
+    inp = _Inputs(cfg, seq_len, gen)
+    from ..layouts import BlockCall
+
+    full = [BlockCall(slice(None), slice(None), True)]
+    fwd = time_call(lambda: inp.kernel.forward(inp.q, inp.k, inp.v, True, inp.scale), cfg.device, cfg.reps,
+                    clock=clock)
+    bwd = time_call(lambda: inp.backward_step(full), cfg.device, cfg.reps, clock=clock)
+    del inp
+    return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
+
+
+def work_speedup(layout: str, world_size: int, n: int) -> float:
+    """The work model's speedup of ``layout`` over contiguous (critical-path entries ratio)."""
+    def crit(lay):
+        return sum(max(row) for row in step_entries(lay, world_size, n))
+    return crit("contiguous") / crit(layout)
+
+
+def simulate(cfg: SimConfig) -> list[dict]:
+    """JSON records ``{"layout", "world_size", "seq_len", "pass", "critical_path_ms",
+    "speedup_vs_contiguous", "efficiency"}`` for every (N, S, pass, layout) of the sweep."""
+    points = list(cfg.points or [(n, s) for n in cfg.world_sizes for s in cfg.seq_lens])
+    for n_ranks, seq in points:
+        for layout in cfg.layouts:
+            get_layout(layout).check_seq_len(seq, n_ranks)
+    if cfg.device.type == "cpu" and cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    clock = clock_for(cfg.device, cfg.threads)
+    gen = torch.Generator(device=cfg.device).manual_seed(0)
+    crits: dict = {}
+    refs: dict = {}
+    for n_ranks, seq in progress(points, total=len(points), desc="sim", enabled=cfg.progress):
+        n = seq // n_ranks
+        inputs = _Inputs(cfg, n, gen)
+        per_layout, plans = {}, {}
+        for lay in cfg.layouts:
+            per_layout[lay], p = _rank_step_keys(cfg, lay, n_ranks, n)
+            plans.update(p)  # identical plans (e.g. every layout's diagonal block) are timed once
+        times = _time_plans(cfg, plans, inputs, clock)
+        for lay in cfg.layouts:
+            crits[(n_ranks, seq, lay)] = _critical_path(cfg, per_layout[lay], times, n)
+        del inputs  # free the block inputs before the big single-device run
+        if cfg.reference and seq not in refs:
+            refs[seq] = _reference(cfg, seq, gen, clock)
+    records = []
+    for n_ranks, seq in points:
+        for p in PASSES:
+            base = crits.get((n_ranks, seq, "contiguous"))
+            for lay in cfg.layouts:
+                c = crits[(n_ranks, seq, lay)][p]
+                records.append({
+                    "layout": lay,
+                    "world_size": n_ranks,
+                    "seq_len": seq,
+                    "pass": p,
+                    "critical_path_ms": c * 1e3,
+                    "speedup_vs_contiguous": (base[p] / c) if base else None,
+                    "efficiency": (refs[seq][p] / n_ranks / c) if seq in refs else None,
+                })
+    return records

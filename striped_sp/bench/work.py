@@ -1,0 +1,51 @@
+"""The work model: attention score entries per rank and ring step, from the layouts' own plans.
+
+At ring step ``t`` rank ``r`` holds the key/value block of rank ``(r - t) mod N`` and runs the
+kernel calls of ``layout.plan(r, source, N, n)``.  Counting the score entries of those calls gives
+each rank's causal work per step.  A ring step ends when its slowest rank ends, so the critical
+path is the sum over steps of the largest entry count; the ideal is the total causal work of the
+whole sequence, ``S (S + 1) / 2``, spread evenly over ``N`` ranks.
+"""
+
+from __future__ import annotations
+
+from ..layouts import get_layout
+
+__all__ = ["step_entries", "score_entries", "critical_path_over_ideal", "balance_records"]
+
+
+def step_entries(layout: str, world_size: int, local_len: int, causal: bool = True) -> list[list[int]]:
+    """``entries[t][r]``: score entries (per batch and head) that rank ``r`` computes at step ``t``."""
+    lay = get_layout(layout)
+    lay.check_local_len(local_len)
+    return [
+        [
+            sum(call.score_entries(local_len)
+                for call in lay.plan(r, (r - t) % world_size, world_size, local_len, causal))
+            for r in range(world_size)
+        ]
+        for t in range(world_size)
+    ]
+
+
+def score_entries(layout: str, world_size: int, rank: int, local_len: int, causal: bool = True) -> int:
+    """Score entries per (batch, head) that ``rank`` computes over a whole ring pass."""
+    return sum(row[rank] for row in step_entries(layout, world_size, local_len, causal))
+
+
+def critical_path_over_ideal(layout: str, world_size: int, local_len: int) -> float:
+    """Sum over steps of the slowest rank's entries, over ``S (S + 1) / 2 / N`` (causal)."""
+    entries = step_entries(layout, world_size, local_len)
+    critical = sum(max(row) for row in entries)
+    seq = world_size * local_len
+    ideal = seq * (seq + 1) / 2 / world_size
+    return critical / ideal
+
+
+def balance_records(layouts, world_sizes, local_len: int) -> list[dict]:
+    """JSON records ``{"layout", "world_size", "critical_path_over_ideal"}``."""
+    return [
+        {"layout": lay, "world_size": n, "critical_path_over_ideal": critical_path_over_ideal(lay, n, local_len)}
+        for n in world_sizes
+        for lay in layouts
+    ]

@@ -1,0 +1,273 @@
+"""Command line: striped-sp bench MODE [options] [--json PATH] [--plot PATH]
+
+Modes:
+  balance  the work model: each layout's critical path over the ideal, per ring size N
+  sim      N ranks simulated on one device with the real kernels (CPU now, CUDA when present)
+  run      a real multi-process run (gloo on CPU, NCCL on CUDA) with the peers torch_ring, ulysses
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+LAYOUT_NAMES = ("striped", "zigzag", "contiguous")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers separated by commas") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return vals
+
+
+def _names(choices):
+    def parse(text: str) -> list[str]:
+        vals = [x for x in text.replace(",", " ").split() if x]
+        bad = [v for v in vals if v not in choices]
+        if bad or not vals:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected some of {', '.join(choices)}")
+        return vals
+    return parse
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: the bench extra)")
+    p.add_argument("--layouts", type=_names(LAYOUT_NAMES), default=list(LAYOUT_NAMES),
+                   help="comma-separated layouts (default: all)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _shape(p: argparse.ArgumentParser, heads: int) -> None:
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16; auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--backend", default="auto", help="kernel backend of ring_attention (default auto)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="striped-sp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run")
+    modes = bench.add_subparsers(dest="mode", required=True)
+
+    b = modes.add_parser("balance", help="work model: critical path over ideal per layout and N")
+    _common(b)
+    b.add_argument("--world-sizes", type=_ints, default=[2, 4, 8, 16, 32, 64])
+    b.add_argument("--tokens-per-rank", type=int, default=4096)
+
+    s = modes.add_parser("sim", help="N ranks simulated on one device with the real kernels")
+    _common(s)
+    _shape(s, heads=4)
+    s.add_argument("--world-sizes", type=_ints, default=[8])
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--seq-lens", type=_ints, help="global sequence lengths to sweep")
+    g.add_argument("--tokens-per-rank", type=_ints, help="tokens per rank to sweep (seq = tokens * N)")
+    s.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
+    s.add_argument("--reps", type=int, default=3, help="timed repetitions per distinct block plan (median)")
+    s.add_argument("--link-gbps", type=float, default=None,
+                   help="ring link bandwidth in GB/s: a step lasts max(compute, transfer)")
+    s.add_argument("--every-block", action="store_true",
+                   help="time every (rank, step) block separately instead of once per distinct plan")
+    s.add_argument("--no-reference", action="store_true",
+                   help="skip the single-device full causal run (efficiency left empty)")
+    s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")
+    s.add_argument("--plot-pass", default="fwd+bwd", choices=["forward", "backward", "fwd+bwd"])
+
+    r = modes.add_parser("run", help="real multi-process run with the peers")
+    _common(r)
+    _shape(r, heads=4)
+    r.add_argument("--world-size", type=int, default=2)
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--seq-lens", type=_ints, help="global sequence lengths to sweep")
+    g.add_argument("--tokens-per-rank", type=_ints, help="tokens per rank to sweep (default 4096)")
+    r.add_argument("--peers", default="torch_ring,ulysses",
+                   help="comma-separated peers (torch_ring, ulysses) or 'none'")
+    r.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when there are N GPUs)")
+    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--iters", type=int, default=7)
+    r.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default cores // N)")
+    r.add_argument("--no-pin", action="store_true", help="CPU: do not pin each rank to its own core(s)")
+    r.add_argument("--profile", action="store_true",
+                   help="also time kernel, merge and ring waits inside our layouts, per rank")
+    r.add_argument("--force-peers", action="store_true",
+                   help="run torch_ring even on a torch version it is not pinned to")
+    return p
+
+
+def _seq_lens(args, world_sizes, default_tpr):
+    if args.seq_lens:
+        return [(n, s) for n in world_sizes for s in args.seq_lens]
+    return [(n, t * n) for n in world_sizes for t in (args.tokens_per_rank or [default_tpr])]
+
+
+def _balance(args) -> int:
+    from .bench.report import format_table, write_json
+    from .bench.work import balance_records
+
+    recs = balance_records(args.layouts, args.world_sizes, args.tokens_per_rank)
+    rows = []
+    for r in recs:
+        n = r["world_size"]
+        theory = {"contiguous": (2 * n - 1) / n, "zigzag": 1.0, "striped": 1.0}[r["layout"]]
+        rows.append({**r, "theory": theory})
+    print(f"work model: attention score entries per ring step, {args.tokens_per_rank} tokens per rank;\n"
+          "critical path = sum over steps of the busiest rank; ideal = S(S+1)/2 / N\n")
+    print(format_table(rows, [("layout", "layout"), ("world_size", "N"),
+                              ("critical_path_over_ideal", "critical/ideal"), ("theory", "n->inf")]))
+    if args.json:
+        write_json(args.json, recs)
+    if args.plot:
+        _plot_balance(args.plot, recs)
+    return 0
+
+
+def _plot_balance(path, recs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    style = {"striped": ("--", "x"), "zigzag": ("-", "o"), "contiguous": ("-", "s")}
+    for lay in sorted({r["layout"] for r in recs}):
+        pts = sorted((r["world_size"], r["critical_path_over_ideal"]) for r in recs if r["layout"] == lay)
+        ls, mk = style.get(lay, ("-", "o"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, marker=mk, label=lay)
+    ns = sorted({r["world_size"] for r in recs})
+    ax.plot(ns, [(2 * n - 1) / n for n in ns], ":", color="black", linewidth=0.8, label="(2N-1)/N")
+    ax.set_title("work model: critical path over ideal (striped and zigzag overlap at 1.00)", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ring size N")
+    ax.set_ylabel("critical path / ideal")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _sim(args) -> int:
+    from .bench.common import pick_device, pick_dtype
+    from .bench.report import format_table, plot_speedup, write_json
+    from .bench.sim import SimConfig, simulate, work_speedup
+
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    points = _seq_lens(args, args.world_sizes, 4096)
+    cfg = SimConfig(layouts=tuple(args.layouts), points=tuple(points), batch=args.batch, heads=args.heads,
+                    kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
+                    backend=args.backend, reps=args.reps, link_gbps=args.link_gbps,
+                    every_block=args.every_block, reference=not args.no_reference,
+                    progress=not args.no_progress, threads=args.threads)
+    load0 = _load()
+    recs = simulate(cfg)
+    kvh = args.kv_heads or args.heads
+    print(f"sim: {device.type} ({_device_name(device)}), {dtype}, batch {args.batch}, {args.heads} heads / "
+          f"{kvh} kv heads x {args.head_dim}, link {args.link_gbps or 'inf'} GB/s; load average before/after "
+          f"{load0} / {_load()}\n"
+          + ("clock: CPU time of the one compute thread (other load on the machine does not count)\n"
+             if device.type == "cpu" and args.threads == 1 else "clock: wall time, device synchronised\n") +
+          "critical path = sum over ring steps of the slowest rank (kernels + merge/accumulate);\n"
+          "efficiency = (one device, full causal over S) / N / critical path; "
+          "work model = the speedup the score-entry count predicts\n")
+    rows = [{**r, "tpr": r["seq_len"] // r["world_size"],
+             "theory": work_speedup(r["layout"], r["world_size"], r["seq_len"] // r["world_size"])
+             if "contiguous" in args.layouts else None} for r in recs]
+    print(format_table(rows, [("layout", "layout"), ("world_size", "N"), ("seq_len", "seq_len"),
+                              ("tpr", "tokens/rank"), ("pass", "pass"), ("critical_path_ms", "critical ms"),
+                              ("speedup_vs_contiguous", "vs contiguous"), ("theory", "work model"),
+                              ("efficiency", "efficiency")]))
+    if args.json:
+        write_json(args.json, recs)
+    if args.plot:
+        plot_speedup(args.plot, recs, "layout", f"sim ({device.type}, {args.plot_pass}): speedup over contiguous",
+                     pass_name=args.plot_pass)
+    return 0
+
+
+def _load() -> str:
+    import os
+
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+def _device_name(device) -> str:
+    import os
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def _run(args) -> int:
+    from .bench.report import format_table, plot_speedup, write_json
+    from .bench.run import RunConfig, run
+
+    peers = () if args.peers.strip() in ("", "none") else tuple(_names(("torch_ring", "ulysses"))(args.peers))
+    if "contiguous" not in args.layouts:
+        args.layouts.append("contiguous")
+    seqs = tuple(s for _, s in _seq_lens(args, [args.world_size], 4096))
+    cfg = RunConfig(world_size=args.world_size, seq_lens=seqs, layouts=tuple(args.layouts), peers=peers,
+                    batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                    dtype=args.dtype, device=args.device, backend=args.backend, warmup=args.warmup,
+                    iters=args.iters, threads=args.threads, profile=args.profile, pin=not args.no_pin,
+                    progress=not args.no_progress, force_peers=args.force_peers)
+    load0 = _load()
+    recs, notes, profile = run(cfg)
+    import torch
+
+    print(f"run: {args.world_size} ranks, torch {torch.__version__}, batch {args.batch}, {args.heads} heads / "
+          f"{args.kv_heads or args.heads} kv heads x {args.head_dim}, dtype {args.dtype} (auto: float32 on CPU, "
+          f"bfloat16 on CUDA); median of {args.iters} "
+          f"fwd+bwd iterations after {args.warmup} warm-up (slowest rank per iteration);\n"
+          f"load average before/after: {load0} / {_load()} on {_cores()} cores\n")
+    rows = [{**r, "tpr": r["seq_len"] // r["world_size"], "note": notes.get((r["seq_len"], r["impl"]), "")}
+            for r in recs]
+    print(format_table(rows, [("impl", "impl"), ("world_size", "N"), ("seq_len", "seq_len"), ("tpr", "tokens/rank"),
+                              ("median_ms", "median ms"), ("speedup_vs_contiguous", "vs contiguous"),
+                              ("note", "note")]))
+    if profile:
+        print("\nwhere the time goes (ms per iteration, median; 'other' = total - kernel - merge - wait):")
+        prow = []
+        for p in profile:
+            f_other = p.get("fwd_total", 0) - sum(p.get(f"fwd_{k}", 0) for k in ("kernel", "merge", "wait"))
+            b_other = p.get("bwd_total", 0) - sum(p.get(f"bwd_{k}", 0) for k in ("kernel", "wait"))
+            prow.append({**p, "fwd_other": f_other, "bwd_other": b_other})
+        print(format_table(prow, [("impl", "impl"), ("seq_len", "seq_len"), ("rank", "rank"),
+                                  ("fwd_total", "fwd"), ("fwd_kernel", "kernel"), ("fwd_merge", "merge"),
+                                  ("fwd_wait", "wait"), ("fwd_other", "other"), ("bwd_total", "bwd"),
+                                  ("bwd_kernel", "kernel"), ("bwd_wait", "wait"), ("bwd_other", "other")]))
+    if args.json:
+        write_json(args.json, recs)
+    if args.plot:
+        plot_speedup(args.plot, recs, "impl", f"run ({args.world_size} ranks): fwd+bwd speedup over contiguous")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return {"balance": _balance, "sim": _sim, "run": _run}[args.mode](args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

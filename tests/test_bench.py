@@ -1,0 +1,107 @@
+"""The benchmark: the work model against a brute-force count, and smoke tests of sim and run
+(well-formed JSON at tiny sizes; speed is never asserted)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from striped_sp.bench.work import critical_path_over_ideal, score_entries, step_entries
+from striped_sp.cli import main
+from striped_sp.layouts import LAYOUTS
+
+SIM_KEYS = {"layout", "world_size", "seq_len", "pass", "critical_path_ms", "speedup_vs_contiguous", "efficiency"}
+RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous"}
+
+
+def _brute_force(layout: str, world_size: int, local_len: int) -> list[list[int]]:
+    """entries[t][r] from the global causal mask: pairs (query of r, key of source) with k <= q."""
+    lay = LAYOUTS[layout]
+    seq = world_size * local_len
+    pos = [lay.positions(seq, world_size, r) for r in range(world_size)]
+    return [
+        [int((pos[(r - t) % world_size][None, :] <= pos[r][:, None]).sum()) for r in range(world_size)]
+        for t in range(world_size)
+    ]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_work_model_matches_brute_force(layout, world_size):
+    for local_len in (2, 6, 10):
+        expect = _brute_force(layout, world_size, local_len)
+        assert step_entries(layout, world_size, local_len) == expect
+        seq = world_size * local_len
+        # every causal pair counted exactly once
+        assert sum(map(sum, expect)) == seq * (seq + 1) // 2
+        assert score_entries(layout, world_size, 0, local_len) == sum(row[0] for row in expect)
+        ideal = seq * (seq + 1) / 2 / world_size
+        assert critical_path_over_ideal(layout, world_size, local_len) == pytest.approx(
+            sum(max(row) for row in expect) / ideal, rel=1e-12)
+
+
+def test_balance_json(tmp_path, capsys):
+    path = tmp_path / "balance.json"
+    assert main(["bench", "balance", "--world-sizes", "2,8", "--tokens-per-rank", "1024",
+                 "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    assert len(recs) == 6
+    assert all(set(r) == {"layout", "world_size", "critical_path_over_ideal"} for r in recs)
+    by = {(r["layout"], r["world_size"]): r["critical_path_over_ideal"] for r in recs}
+    assert by[("contiguous", 8)] == pytest.approx(15 / 8, rel=0.01)
+    assert by[("striped", 8)] <= 1.01
+    assert "critical/ideal" in capsys.readouterr().out
+
+
+def test_sim_smoke(tmp_path, capsys):
+    path, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    assert main(["bench", "sim", "--world-sizes", "2,3", "--tokens-per-rank", "6", "--heads", "4",
+                 "--kv-heads", "2", "--head-dim", "8", "--reps", "1", "--link-gbps", "10",
+                 "--device", "cpu", "--no-progress", "--json", str(path), "--plot", str(png)]) == 0
+    recs = json.loads(path.read_text())
+    assert len(recs) == 2 * 3 * 3  # (N, S) points x passes x layouts
+    for r in recs:
+        assert set(r) == SIM_KEYS
+        assert r["pass"] in ("forward", "backward", "fwd+bwd")
+        assert r["critical_path_ms"] > 0 and r["efficiency"] > 0
+        assert r["seq_len"] == 6 * r["world_size"]
+    assert all(r["speedup_vs_contiguous"] == 1.0 for r in recs if r["layout"] == "contiguous")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "efficiency" in capsys.readouterr().out
+    # every (rank, step) timed separately, no reference: same record shape, efficiency left empty
+    assert main(["bench", "sim", "--world-sizes", "2", "--seq-lens", "8", "--heads", "2", "--head-dim", "8",
+                 "--reps", "1", "--every-block", "--no-reference", "--layouts", "striped,contiguous",
+                 "--device", "cpu", "--no-progress", "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    assert len(recs) == 3 * 2 and all(set(r) == SIM_KEYS and r["efficiency"] is None for r in recs)
+
+
+def test_run_smoke(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    assert main(["bench", "run", "--world-size", "2", "--seq-lens", "12", "--heads", "2",
+                 "--head-dim", "8", "--warmup", "0", "--iters", "1", "--peers", "torch_ring,ulysses",
+                 "--device", "cpu", "--threads", "1", "--profile", "--no-progress",
+                 "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    assert {r["impl"] for r in recs} == {"striped", "zigzag", "contiguous", "torch_ring", "ulysses"}
+    for r in recs:
+        assert set(r) == RUN_KEYS
+        assert r["world_size"] == 2 and r["seq_len"] == 12
+    out = capsys.readouterr().out
+    # each peer either ran and matched ring_attention on the same inputs, or says why it was skipped
+    for peer in ("torch_ring", "ulysses"):
+        line = next(l for l in out.splitlines() if l.startswith(peer))
+        m = re.search(r"max_abs_err vs ring_attention ([0-9.e+-]+)", line)
+        assert m or "skipped:" in line, line
+        if m:
+            assert float(m.group(1)) < 1e-5, line
+    assert "where the time goes" in out
+
+
+def test_cli_rejects_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "sim", "--world-sizes", "0"])
+    with pytest.raises(ValueError, match="multiple"):
+        main(["bench", "sim", "--world-sizes", "4", "--seq-lens", "6", "--no-progress", "--device", "cpu"])
