@@ -19,17 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .attention import ring_attention
+from .bench.work import score_entries
 from .layouts import LAYOUTS, shard
-
-
-def score_entries(layout: str, world_size: int, rank: int, local_len: int, causal: bool = True) -> int:
-    """Attention score entries per (batch, head) that ``rank`` computes over a whole ring pass."""
-    lay = LAYOUTS[layout]
-    return sum(
-        call.score_entries(local_len)
-        for source in range(world_size)
-        for call in lay.plan(rank, source, world_size, local_len, causal)
-    )
 
 
 def _reference(q, k, v, dout, scale):
