@@ -74,10 +74,13 @@ class _CausalSDPA(torch.nn.Module):
         return out.permute(back)
 
 
-def _rotary(seq, dim):
+def _rotary(seq, dim, batch_dim_idx=1):
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = torch.outer(torch.arange(seq).float(), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]  # [1, S, 1, d], as DeepSpeed takes it
+    emb = torch.cat([freqs, freqs], dim=-1)
+    # DeepSpeed permutes (1, 0, 2, 3) and broadcasts against q: [1, S, 1, d] for [s, b, h, d]
+    # inputs, [S, 1, 1, d] for [b, s, h, d] inputs (Megatron-DeepSpeed's flash path)
+    emb = emb[None, :, None, :] if batch_dim_idx == 1 else emb[:, None, None, :]
     return emb.cos(), emb.sin()
 
 
@@ -96,7 +99,7 @@ def _case_distributed_attention(batch_dim_idx, heads, kv_heads, rotary):
     q = _randn(*shape, heads, d, seed=1)
     k, v = _randn(*shape, kv_heads, d, seed=2), _randn(*shape, kv_heads, d, seed=3)
     dout = _randn(*shape, heads, d, seed=4)
-    emb = _rotary(SEQ, d) if rotary else None
+    emb = _rotary(SEQ, d, batch_dim_idx) if rotary else None
 
     def run(module, layout, rotary=emb):
         xs = [shard(t, WORLD, rank, dim=seq_dim, layout=layout).requires_grad_() for t in (q, k, v)]
@@ -109,7 +112,7 @@ def _case_distributed_attention(batch_dim_idx, heads, kv_heads, rotary):
     ours_striped = run(DistributedAttention(local, group, 2, seq_dim), "striped")
     ours_ring = run(DistributedAttention(local, group, 2, seq_dim, layout="ring"), "contiguous")
     if rotary:  # rotary tables of the local tokens only give the same
-        local_emb = tuple(shard(t, WORLD, rank, dim=1, layout="striped") for t in emb)
+        local_emb = tuple(shard(t, WORLD, rank, dim=batch_dim_idx, layout="striped") for t in emb)
         again = run(DistributedAttention(local, group, 2, seq_dim), "striped", local_emb)
         assert all(torch.equal(a, b) for a, b in zip(again, ours_striped))
     for name, t_ds, t_s, t_r in zip(("out", "dq", "dk", "dv"), theirs, ours_striped, ours_ring):
@@ -224,7 +227,7 @@ def _ds_config(sp, algo="striped"):
     }
 
 
-def _engine_step(sp, algo):
+def _engine_step(sp, algo, drop_count=False):
     from striped_sp.deepspeed import initialize, shard_batch
 
     model = _tiny_llama(seed=1)
@@ -233,7 +236,10 @@ def _engine_step(sp, algo):
     layout = engine.context_parallel.layout
     n = sp
     rank = dist.get_rank(engine.context_parallel_group) if sp > 1 else 0
-    loss = engine(**shard_batch(_batch(), n, rank, layout)).loss
+    batch = shard_batch(_batch(), n, rank, layout)
+    if drop_count:  # a data path of the user's own: the pre-hook counts the targets itself
+        del batch["num_items_in_batch"]
+    loss = engine(**batch).loss
     engine.backward(loss)
     grads = _grads(engine.module)
     engine.step()
@@ -246,9 +252,9 @@ def _case_engine_sp1():
     _STATE["engine_ref"] = _engine_step(1, "striped")
 
 
-def _case_engine_sp2(algo):
+def _case_engine_sp2(algo, drop_count=False):
     ref_loss, ref_grads, ref_params = _STATE["engine_ref"]
-    loss, grads, params = _engine_step(2, algo)
+    loss, grads, params = _engine_step(2, algo, drop_count)
     assert rel_err(loss, ref_loss) < 1e-5, (loss.item(), ref_loss.item())
     assert grads.keys() == ref_grads.keys()
     for name in grads:
@@ -348,7 +354,7 @@ def _case_errors():
 
 
 CASES = [("setup", _setup, ())]
-for _bdi, _h, _kv, _rot in [(1, 4, 4, False), (1, 4, 2, True), (0, 4, 2, False)]:
+for _bdi, _h, _kv, _rot in [(1, 4, 4, False), (1, 4, 2, True), (0, 4, 2, False), (0, 4, 4, True)]:
     CASES.append((f"attention_bdi{_bdi}_h{_h}_kv{_kv}_rot{int(_rot)}", _case_distributed_attention, (_bdi, _h, _kv, _rot)))
 CASES += [("attention_uneven_heads", _case_distributed_attention_uneven_heads, ())]
 CASES += [(f"hf_{lay}", _case_hf_model, (lay,)) for lay in ("striped", "zigzag", "contiguous")]
@@ -356,6 +362,7 @@ CASES += [("hf_striped_mqa_3_heads", _case_hf_model, ("striped", 3, 1))]
 CASES += [("hf_positions", _case_hf_unsharded_positions_rejected, ())]
 CASES += [("engine_sp1", _case_engine_sp1, ())]  # before any SP=2 engine (DeepSpeed keeps groups.mpu)
 CASES += [(f"engine_sp2_{algo}", _case_engine_sp2, (algo,)) for algo in ("striped", "zigzag", "ring")]
+CASES += [("engine_sp2_striped_no_count", _case_engine_sp2, ("striped", True))]
 CASES += [("engine_loader_swap", _case_engine_loader_and_swap, ()), ("errors", _case_errors, ())]
 CASES += [("engine_unshifted_labels", _case_engine_refuses_unshifted_labels, ())]
 

@@ -101,17 +101,20 @@ class DistributedAttention(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"layout={self.layout!r}, causal={self.causal}, backend={self.backend!r}"
 
-    def _local_rotary(self, emb: torch.Tensor, local_len: int) -> torch.Tensor:
-        emb = emb.permute(1, 0, 2, 3)  # as DeepSpeed: the sequence moves to dim 0
+    def _local_rotary(self, emb: torch.Tensor, local_len: int, seq_dim: int) -> torch.Tensor:
+        # As DeepSpeed: permute(1, 0, 2, 3), after which the table broadcasts against q/k with
+        # the sequence on q's sequence dim ([1, S, 1, d] for [s, b, h, d] inputs, [S, 1, 1, d]
+        # for [b, s, h, d] inputs, as Megatron-DeepSpeed passes it).
+        emb = emb.permute(1, 0, 2, 3)
         group = self.spg if self.spg is not None else dist.group.WORLD
         n = dist.get_world_size(group)
-        if n > 1 and emb.size(0) == local_len * n:
+        if n > 1 and emb.size(seq_dim) == local_len * n:
             idx = positions(local_len * n, n, dist.get_rank(group), self.layout).to(emb.device)
-            emb = emb.index_select(0, idx)
-        elif emb.size(0) != local_len:
+            emb = emb.index_select(seq_dim, idx)
+        elif emb.size(seq_dim) != local_len:
             raise ValueError(
-                f"rotary_pos_emb covers {emb.size(0)} positions: expected the whole sequence "
-                f"({local_len * n}) or the local tokens ({local_len})"
+                f"rotary_pos_emb covers {emb.size(seq_dim)} positions on the sequence dim: expected "
+                f"the whole sequence ({local_len * n}) or the local tokens ({local_len})"
             )
         return emb
 
@@ -124,8 +127,8 @@ class DistributedAttention(torch.nn.Module):
                 raise ValueError(f"{name} must be a 4-dim tensor, got shape {tuple(getattr(t, 'shape', ()))}")
         seq_dim = 1 - batch_dim_idx
         if rotary_pos_emb is not None:
-            cos = self._local_rotary(rotary_pos_emb[0], query.size(seq_dim))
-            sin = self._local_rotary(rotary_pos_emb[1], query.size(seq_dim))
+            cos = self._local_rotary(rotary_pos_emb[0], query.size(seq_dim), seq_dim)
+            sin = self._local_rotary(rotary_pos_emb[1], query.size(seq_dim), seq_dim)
             query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
         if batch_dim_idx == 1:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))

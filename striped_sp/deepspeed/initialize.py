@@ -27,7 +27,7 @@ from .config import ContextParallelSettings, load_config, parse_config
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups
-from .data import ShardedDataLoader
+from .data import IGNORE_INDEX, ShardedDataLoader
 
 __all__ = ["initialize", "adapt_model", "global_loss_hook"]
 
@@ -75,10 +75,10 @@ def global_loss_hook(group):
     """A forward hook (``with_kwargs=True``) that makes ``output.loss`` the group-wide loss value
     while its gradient stays this rank's share.
 
-    With ``num_items_in_batch`` in the forward kwargs (as :func:`.shard_batch` gives) each rank's
-    loss is its summed local loss over the global count, and the global loss is their sum; without
-    it each rank's loss is a local mean and the hook averages them (exact when every rank has
-    as many counted targets).  DeepSpeed sums gradients over the SP group, so the update is exact.
+    The forward gets ``num_items_in_batch`` (the group-wide count of counted targets, from
+    :func:`.shard_batch` or from :func:`shifted_labels_pre_hook`), so each rank's loss is its
+    summed local loss over the global count and the global loss is their sum.  DeepSpeed sums
+    gradients over the SP group, so the update is exact.
     """
 
     def hook(module, args, kwargs, output):
@@ -87,22 +87,35 @@ def global_loss_hook(group):
             return output
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
-        if kwargs.get("num_items_in_batch") is None:
-            total = total / dist.get_world_size(group)
         output.loss = loss + (total - loss.detach())
         return output
 
     return hook
 
 
-def _shifted_labels_pre_hook(module, args, kwargs):
-    """Refuse unshifted labels under SP: transformers would shift them on the local tokens."""
-    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
-        raise ValueError(
-            "labels without shift_labels under sequence parallelism: shift them on the full sequence "
-            "before sharding with striped_sp.deepspeed.shard_batch (or use the loader initialize returns)"
-        )
-    return None
+def shifted_labels_pre_hook(group):
+    """A forward pre-hook (``with_kwargs=True``) for HF models under SP.
+
+    Refuses unshifted labels (transformers would shift them on the local tokens), and when
+    ``shift_labels`` come without ``num_items_in_batch`` counts the targets over the group
+    (one all-reduce), so that every rank's loss is its share of the *global* mean.
+    """
+
+    def hook(module, args, kwargs):
+        shift_labels = kwargs.get("shift_labels")
+        if kwargs.get("labels") is not None and shift_labels is None:
+            raise ValueError(
+                "labels without shift_labels under sequence parallelism: shift them on the full sequence "
+                "before sharding with striped_sp.deepspeed.shard_batch (or use the loader initialize returns)"
+            )
+        if shift_labels is not None and kwargs.get("num_items_in_batch") is None:
+            count = (shift_labels != IGNORE_INDEX).sum()
+            dist.all_reduce(count, group=group)
+            kwargs = {**kwargs, "num_items_in_batch": count}
+            return args, kwargs
+        return None
+
+    return hook
 
 
 def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, groups: SequenceParallelGroups) -> list:
@@ -127,7 +140,7 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
     handles = []
     if _is_hf_model(model):
         enable_hf_attention(model, groups.group, settings.layout, settings.backend)
-        handles.append(model.register_forward_pre_hook(_shifted_labels_pre_hook, with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(shifted_labels_pre_hook(groups.group), with_kwargs=True))
         handles.append(model.register_forward_hook(global_loss_hook(groups.group), with_kwargs=True))
         model._striped_sp_hooks = handles
     elif not ours:
