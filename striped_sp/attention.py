@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -49,6 +50,19 @@ class _Accumulator:
         merge_block(self.out[:, q_slice], self.lse[:, :, q_slice], block_out, block_lse)
 
 
+@contextlib.contextmanager
+def _settle_on_error(*transfers):
+    """If a kernel raises, complete the transfers already posted before re-raising, so that a
+    failure every rank hits alike (a kernel refusing a shape) leaves no message half-sent."""
+    try:
+        yield
+    except BaseException:
+        for transfer in transfers:
+            if transfer is not None:
+                transfer.wait()
+        raise
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: KV blocks go round the ring while each rank merges its queries' block results.
     Backward: the ring again; dQ stays local, fp32 dK/dV travel with the blocks and reach their
@@ -63,11 +77,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
             source = (rank - step) % n
-            for call in layout.plan(rank, source, n, local_len, causal):
-                block_out, block_lse = kernel.forward(
-                    q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv], call.causal, scale
-                )
-                acc.add(call.q, block_out, block_lse)
+            with _settle_on_error(transfer):
+                for call in layout.plan(rank, source, n, local_len, causal):
+                    block_out, block_lse = kernel.forward(
+                        q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv], call.causal, scale
+                    )
+                    acc.add(call.q, block_out, block_lse)
             if transfer is not None:
                 k_cur, v_cur = transfer.wait()
         out = acc.out.to(q.dtype)
@@ -89,13 +104,14 @@ class _RingAttention(torch.autograd.Function):
             kv_transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
             source = (rank - step) % n
             block_grads = []
-            for call in layout.plan(rank, source, n, local_len, causal):
-                dq_b, dk_b, dv_b = kernel.backward(
-                    dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
-                    out[:, call.q], lse[:, :, call.q], call.causal, scale,
-                )
-                dq[:, call.q] += dq_b
-                block_grads.append((call.kv, dk_b, dv_b))
+            with _settle_on_error(kv_transfer, dkv_transfer):
+                for call in layout.plan(rank, source, n, local_len, causal):
+                    dq_b, dk_b, dv_b = kernel.backward(
+                        dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
+                        out[:, call.q], lse[:, :, call.q], call.causal, scale,
+                    )
+                    dq[:, call.q] += dq_b
+                    block_grads.append((call.kv, dk_b, dv_b))
             # The dK/dV accumulator of this block arrives while the kernels above ran.
             if dkv_transfer is None:
                 dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -198,7 +214,7 @@ def ring_attention(
     """
     lay = get_layout(layout)
     _check_inputs(q, k, v, lay)
-    kernel = resolve_kernel(backend, q.device, q.dtype)
+    kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1))
     if group is None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(

@@ -46,8 +46,8 @@ class Kernel:
 
     name = ""
 
-    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """``None`` when the kernel runs on ``device`` with ``dtype``, else why not."""
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+        """``None`` when the kernel runs on ``device`` with ``dtype`` (and ``head_dim``), else why not."""
         raise NotImplementedError
 
     def forward(self, q, k, v, causal: bool, scale: float):
@@ -62,7 +62,7 @@ class MathKernel(Kernel):
 
     name = "math"
 
-    def unavailable_reason(self, device, dtype):
+    def unavailable_reason(self, device, dtype, head_dim=None):
         if dtype not in _FLOAT_DTYPES:
             return f"dtype {dtype} is not one of {_FLOAT_DTYPES}"
         return None
@@ -114,7 +114,7 @@ class TorchKernel(Kernel):
         if cuda_variant == "cudnn":
             self.name = "torch_cudnn"
 
-    def unavailable_reason(self, device, dtype):
+    def unavailable_reason(self, device, dtype, head_dim=None):
         if device.type == "cpu":
             if self.cuda_variant == "cudnn":
                 return "the cuDNN attention op needs a CUDA device"
@@ -126,6 +126,10 @@ class TorchKernel(Kernel):
                 return f"dtype {dtype} is not float16, bfloat16 or float32 on CUDA"
             if self.cuda_variant == "cudnn" and dtype not in _HALF_DTYPES:
                 return f"the cuDNN attention op needs float16 or bfloat16, got {dtype}"
+            # The fused CUDA ops, called directly, do not pad head_dim as F.scaled_dot_product_attention does.
+            align = 8 if dtype in _HALF_DTYPES or self.cuda_variant == "cudnn" else 4
+            if head_dim is not None and head_dim % align != 0:
+                return f"head_dim={head_dim} must be a multiple of {align} for the fused CUDA ops with {dtype}"
             return None
         return f"no fused PyTorch attention op for device type '{device.type}'"
 
@@ -201,7 +205,9 @@ class TorchKernel(Kernel):
 def _call_with_supported_kwargs(fn: Callable, **kwargs):
     """Call ``fn`` with the keyword arguments its signature accepts (flash-attn's private
     functions gained and renamed parameters across 2.x releases)."""
-    params = inspect.signature(fn).parameters
+    # From 2.7 on (with torch >= 2.4) they are torch.library custom ops whose __call__ takes
+    # (*args, **kwargs): read the parameters of the wrapped function instead.
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     if "window_size_left" not in params and "window_size" in params:
         kwargs["window_size"] = (kwargs.pop("window_size_left", -1), kwargs.pop("window_size_right", -1))
     return fn(**{k: v for k, v in kwargs.items() if k in params})
@@ -219,7 +225,7 @@ class FlashAttnKernel(Kernel):
     def _module(self):
         return importlib.import_module(self.module_name)
 
-    def unavailable_reason(self, device, dtype):
+    def unavailable_reason(self, device, dtype, head_dim=None):
         try:
             self._module()
         except ImportError:
@@ -228,6 +234,8 @@ class FlashAttnKernel(Kernel):
             return f"flash-attn runs on CUDA devices only, got device '{device}'"
         if dtype not in _HALF_DTYPES:
             return f"flash-attn needs float16 or bfloat16, got {dtype}"
+        if head_dim is not None and (head_dim % 8 != 0 or head_dim > 256):
+            return f"flash-attn needs head_dim a multiple of 8 and at most 256, got {head_dim}"
         return None
 
     def forward(self, q, k, v, causal, scale):
@@ -259,13 +267,13 @@ KERNELS: dict[str, Kernel] = {
 BACKENDS = ("auto", *KERNELS)
 
 
-def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Names of the kernels that run on ``device`` with ``dtype``."""
-    return [n for n, k in KERNELS.items() if k.unavailable_reason(torch.device(device), dtype) is None]
+def available_backends(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> list[str]:
+    """Names of the kernels that run on ``device`` with ``dtype`` (and ``head_dim``)."""
+    return [n for n, k in KERNELS.items() if k.unavailable_reason(torch.device(device), dtype, head_dim) is None]
 
 
-def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Kernel:
-    """The kernel for ``backend`` on ``device``/``dtype``; ``ValueError`` when unknown or unusable.
+def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> Kernel:
+    """The kernel for ``backend`` on ``device``/``dtype``/``head_dim``; ``ValueError`` when unknown or unusable.
 
     ``auto`` picks flash-attn on CUDA when importable for fp16/bf16, else PyTorch's fused ops,
     else the math reference.
@@ -274,13 +282,13 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Ke
     if backend == "auto":
         order = ("flash_attn", "torch", "math") if device.type == "cuda" else ("torch", "math")
         for name in order:
-            if KERNELS[name].unavailable_reason(device, dtype) is None:
+            if KERNELS[name].unavailable_reason(device, dtype, head_dim) is None:
                 return KERNELS[name]
         raise ValueError(f"no attention backend runs on device '{device}' with dtype {dtype}")
     if backend not in KERNELS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
     kernel = KERNELS[backend]
-    reason = kernel.unavailable_reason(device, dtype)
+    reason = kernel.unavailable_reason(device, dtype, head_dim)
     if reason is not None:
         raise ValueError(f"backend {backend!r} is not available: {reason}")
     return kernel

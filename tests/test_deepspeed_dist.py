@@ -201,6 +201,22 @@ def _case_hf_unsharded_positions_rejected():
         model(input_ids=ids)
 
 
+def _case_hf_sliding_window_rejected():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from striped_sp import positions
+    from striped_sp.deepspeed import enable_hf_attention
+
+    cfg = MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    model = enable_hf_attention(MistralForCausalLM(cfg), _STATE["group"], "striped")
+    n = SEQ // WORLD
+    ids = _batch()["input_ids"][:, :n]
+    pos = positions(SEQ, WORLD, dist.get_rank(_STATE["group"])).expand(ids.size(0), -1)
+    with pytest.raises(ValueError, match="sliding_window=4 is not supported"):
+        model(input_ids=ids, position_ids=pos)
+
+
 def _case_engine_refuses_unshifted_labels():
     from striped_sp import positions, shard
     from striped_sp.deepspeed import initialize
@@ -360,6 +376,7 @@ CASES += [("attention_uneven_heads", _case_distributed_attention_uneven_heads, (
 CASES += [(f"hf_{lay}", _case_hf_model, (lay,)) for lay in ("striped", "zigzag", "contiguous")]
 CASES += [("hf_striped_mqa_3_heads", _case_hf_model, ("striped", 3, 1))]
 CASES += [("hf_positions", _case_hf_unsharded_positions_rejected, ())]
+CASES += [("hf_sliding_window", _case_hf_sliding_window_rejected, ())]
 CASES += [("engine_sp1", _case_engine_sp1, ())]  # before any SP=2 engine (DeepSpeed keeps groups.mpu)
 CASES += [(f"engine_sp2_{algo}", _case_engine_sp2, (algo,)) for algo in ("striped", "zigzag", "ring")]
 CASES += [("engine_sp2_striped_no_count", _case_engine_sp2, ("striped", True))]

@@ -132,3 +132,62 @@ def test_flash_attn_adapter_plumbing(monkeypatch, old_api):
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, SCALE)
     for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
         assert rel_err(got, want) < 1e-5
+
+
+def _install_custom_op_flash_attn(monkeypatch):
+    """flash-attn >= 2.7 registers its private functions as torch.library custom ops, whose
+    ``__call__`` signature is ``(*args, **kwargs)``; the adapter must still find the parameters."""
+    from typing import Optional
+
+    math = MathKernel()
+
+    @torch.library.custom_op("striped_sp_test::flash_attn_forward", mutates_args=())
+    def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                            softmax_scale: float, causal: bool, window_size_left: int = -1,
+                            window_size_right: int = -1, softcap: float = 0.0,
+                            alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = math.forward(q, k, v, causal, softmax_scale)
+        return out, lse, q.new_empty(0), q.new_empty(2, dtype=torch.int64)
+
+    @torch.library.custom_op("striped_sp_test::flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+    def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor,
+                             dk: torch.Tensor, dv: torch.Tensor, dropout_p: float, softmax_scale: float,
+                             causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                             alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                             rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+        for buf, val in zip((dq, dk, dv), math.backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)):
+            buf.copy_(val)
+        return softmax_lse.new_empty(softmax_lse.shape)
+
+    mod = types.ModuleType("flash_attn.flash_attn_interface")
+    mod._flash_attn_forward = _flash_attn_forward
+    mod._flash_attn_backward = _flash_attn_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", mod)
+
+
+def test_flash_attn_adapter_with_custom_ops(monkeypatch):
+    _install_custom_op_flash_attn(monkeypatch)
+    kernel = FlashAttnKernel()
+    q, k, v, dout = _inputs(s=11)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out, lse = kernel.forward(q, k, v, True, SCALE)
+    ref_out, ref_lse, dq_ref, dk_ref, dv_ref = _reference_with_grads(q, k, v, dout, True)
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, SCALE)
+    for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert rel_err(got, want) < 1e-5
+
+
+def test_cuda_head_dim_rules_without_a_gpu():
+    """The fused CUDA ops are called directly (no padding): unaligned head_dim falls back to math."""
+    cuda = torch.device("cuda")
+    torch_kernel = KERNELS["torch"]
+    assert "multiple of 8" in torch_kernel.unavailable_reason(cuda, torch.bfloat16, 12)
+    assert "multiple of 4" in torch_kernel.unavailable_reason(cuda, torch.float32, 6)
+    assert torch_kernel.unavailable_reason(cuda, torch.bfloat16, 128) is None
+    assert resolve_kernel("auto", cuda, torch.bfloat16, 12).name == "math"
+    with pytest.raises(ValueError, match="head_dim=12 must be a multiple of 8"):
+        resolve_kernel("torch", cuda, torch.bfloat16, 12)

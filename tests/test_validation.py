@@ -89,7 +89,40 @@ def check_mismatch_across_ranks(env_value):
         del os.environ["STRIPED_SP_CHECK_RANKS"]
 
 
+def check_kernel_failure_leaves_ring_clean():
+    """A kernel that fails on every rank at step 0 (after the KV transfer was posted) raises there,
+    and the next call is still exact: no half-sent message is left to be mis-received."""
+    from reference import reference_attention, rel_err
+    from striped_sp import kernels
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    math = kernels.KERNELS["math"]
+
+    class FailsOnFirstCall(kernels.MathKernel):
+        calls = 0
+
+        def forward(self, *args):
+            FailsOnFirstCall.calls += 1
+            if FailsOnFirstCall.calls == 1:
+                raise RuntimeError("kernel refused this block")
+            return super().forward(*args)
+
+    torch.manual_seed(1)
+    q, k, v = _qkv(s=3 * n)
+    local = [striped_sp.shard(t, n, rank) for t in (q, k, v)]
+    kernels.KERNELS["math"] = FailsOnFirstCall()
+    try:
+        with pytest.raises(RuntimeError, match="kernel refused"):
+            striped_sp.ring_attention(*local, backend="math")
+    finally:
+        kernels.KERNELS["math"] = math
+    out = striped_sp.ring_attention(*local, backend="math")
+    ref = reference_attention(q, k, v, True, 8 ** -0.5)
+    assert rel_err(out, striped_sp.shard(ref, n, rank)) < 1e-5
+
+
 CASES = [(kind, check_raises, (kind,)) for kind in KINDS] + [
+    ("kernel-failure-settles", check_kernel_failure_leaves_ring_clean, ()),
     ("rank-mismatch-checked", check_mismatch_across_ranks, ("1",)),
     ("ring-still-works", check_ring_still_works, ()),
 ]

@@ -88,6 +88,14 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
     return model
 
 
+def _group_size(group) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group if group is not None else dist.group.WORLD)
+
+
 def _check_mask(attention_mask) -> None:
     if attention_mask is None:
         return
@@ -138,6 +146,15 @@ def hf_attention_forward(
         )
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by the ring engine; use 0.0")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < query.size(2) * _group_size(settings.group):
+        raise ValueError(
+            f"sliding_window={window} is not supported by the ring engine (it attends to every earlier "
+            "token): set config.sliding_window=None (or use_sliding_window=False)"
+        )
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} is not supported by the ring engine yet: use a model without it")
     _check_mask(attention_mask)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     position_ids = kwargs.get("position_ids")

@@ -210,6 +210,16 @@ def initialize(
         cfg.pop("data_parallel_size", None)  # checked above; the groups come through mpu, not a mesh
     groups = sequence_parallel_groups(settings.sequence_parallel_size, mpu)
     adapt_model(model, settings, groups)
+    if (settings.enabled and training_data is None and settings.layout != "contiguous"
+            and any(isinstance(m, DistributedAttention) for m in model.modules())):
+        warnings.warn(
+            f"context_parallel.algo={settings.algo!r}: DistributedAttention now expects each rank's "
+            f"tokens in the {settings.layout!r} layout. Shard every batch with "
+            "striped_sp.deepspeed.shard_batch (or pass training_data to get a loader that does); a "
+            "data path that slices the sequence contiguously (Megatron-DeepSpeed's get_batch) "
+            "needs context_parallel.algo='ring'",
+            stacklevel=2,
+        )
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=None, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
