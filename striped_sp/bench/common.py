@@ -62,20 +62,13 @@ def time_once(fn: Callable[[], object], device: torch.device, clock: Callable[[]
 
 def time_call(fn: Callable[[], object], device: torch.device, reps: int = 3, long_s: float = 1.0,
               clock: Callable[[], float] = time.perf_counter) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up run.
+    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up run (never counted).
 
-    A warm-up that takes longer than ``long_s`` counts as a sample (allocation is negligible
-    at that size), and then only ``max(1, reps // 2)`` samples are taken in all.
+    When the warm-up takes longer than ``long_s``, ``max(2, reps // 2)`` samples are taken.
     """
     first = time_once(fn, device, clock)
-    samples: list[float] = []
-    want = reps
-    if first > long_s:
-        samples.append(first)
-        want = max(1, reps // 2)
-    while len(samples) < want:
-        samples.append(time_once(fn, device, clock))
-    return median(samples)
+    want = max(2, reps // 2) if first > long_s else reps
+    return median([time_once(fn, device, clock) for _ in range(want)])
 
 
 def progress(iterable, total: int | None = None, desc: str = "", enabled: bool = True):
