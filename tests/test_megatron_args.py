@@ -62,6 +62,10 @@ def test_valid_settings_pass():
     (dict(sft=True), "packed THD"),
     (dict(reset_attention_mask=True), "--reset-attention-mask"),
     (dict(hierarchical_context_parallel_sizes=[2, 2]), "--hierarchical-context-parallel-sizes"),
+    (dict(qk_clip=True), "--qk-clip"),
+    (dict(log_max_attention_logit=True), "--log-max-attention-logit"),
+    (dict(cuda_graph_impl="local"), "--cuda-graph-impl none"),
+    (dict(external_cuda_graph=True), "--cuda-graph-impl none"),
 ])
 def test_each_validation_error_names_the_setting(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):

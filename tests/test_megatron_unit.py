@@ -101,6 +101,10 @@ def test_core_attention_rejects_unsupported_settings():
         sm.ContextParallelAttention(_config(), cp_comm_type="a2a", **kw)
     with pytest.raises(ValueError, match="--context-parallel-algo"):
         sm.ContextParallelAttention(_config(), algo="native", **kw)
+    with pytest.raises(ValueError, match="--multi-latent-attention"):
+        sm.ContextParallelAttention(_config(), k_channels=24, v_channels=8, **kw)
+    # TEDotProductAttention's extra arguments are accepted when they mean plain attention
+    sm.ContextParallelAttention(_config(), k_channels=8, v_channels=8, num_splits=None, **kw)
     attn = sm.ContextParallelAttention(_config(), algo="ring", **kw)
     assert attn.layout == "contiguous" and attn.cp_group is group
     q = torch.randn(6, 1, 4, 8)
@@ -217,12 +221,78 @@ def test_rope_rows_follow_positions_on_cpu(algo):
         sm.uninstall()
 
 
-def test_native_rope_slicing_equals_zigzag():
+def test_native_rope_slicing_equals_megatrons_and_zigzag(monkeypatch):
+    """Megatron's own RoPE slicing (run on CPU: its pin_memory and .cuda() patched out) is our
+    zigzag layout, and our algo="native" path gives the same rows."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, pin_memory=False, **k: tensor(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    megatron_slice = getattr(rope_utils.get_pos_emb_on_this_cp_rank, "__striped_sp_original__",
+                             rope_utils.get_pos_emb_on_this_cp_rank)
     emb = torch.randn(40, 1, 1, 8)
     for rank in range(4):
         g = _FakeGroup(4, rank)
-        assert torch.equal(sm.get_pos_emb_on_this_cp_rank(emb, 0, g, algo="native"),
-                           striped_sp.shard(emb, 4, rank, dim=0, layout="zigzag"))
+        theirs = megatron_slice(emb, 0, g)
+        assert torch.equal(theirs, striped_sp.shard(emb, 4, rank, dim=0, layout="zigzag"))
+        assert torch.equal(sm.get_pos_emb_on_this_cp_rank(emb, 0, g, algo="native"), theirs)
+
+
+def test_empty_pipeline_stage_spec_passes_through():
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    assert sm.patch_layer_spec([], "striped") == []
+    block = sm.patch_layer_spec(TransformerBlockSubmodules(layer_specs=[]), "striped")
+    assert block.layer_specs == []
+
+
+def test_installed_gpt_model_patches_any_spec():
+    """A spec that no patched provider returned (``--spec``, heterogeneous, user code) is
+    patched by GPTModel.__init__ itself while installed; uninstall restores GPTModel.__init__."""
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from striped_sp.megatron import hooks
+    from striped_sp.megatron.attention import ContextParallelAttention
+
+    raw = get_gpt_layer_local_spec()  # unpatched: built before install
+    original_init = GPTModel.__dict__["__init__"]
+    seen = {}
+
+    def fake_init(self, config, transformer_layer_spec, vocab_size, max_sequence_length,
+                  pre_process=True, mtp_block_spec=None):
+        seen.update(layer=transformer_layer_spec, mtp=mtp_block_spec, vocab=vocab_size)
+
+    try:
+        sm.install("striped")
+        assert GPTModel.__dict__["__init__"] is not original_init
+        assert inspect.signature(GPTModel.__init__) == inspect.signature(original_init)
+        hooks._gpt_model_init_wrapper(fake_init)(None, "cfg", raw, 32, 16, mtp_block_spec=None)
+        [ours] = _core_attentions(seen["layer"])
+        assert ours.module is ContextParallelAttention and ours.params["algo"] == "striped"
+        assert seen["vocab"] == 32 and seen["mtp"] is None
+        [theirs] = _core_attentions(raw)  # the caller's spec is untouched
+        assert getattr(theirs, "module", theirs) is not ContextParallelAttention
+    finally:
+        sm.uninstall()
+    assert GPTModel.__dict__["__init__"] is original_init
+
+
+def test_replacements_fall_back_after_uninstall():
+    """A by-name copy taken while installed calls Megatron's function again after uninstall."""
+    from megatron.core import utils as core_utils
+
+    try:
+        sm.install("striped")
+        copy_taken_while_installed = core_utils.get_batch_on_this_cp_rank
+    finally:
+        sm.uninstall()
+    batch = {"tokens": torch.arange(8).view(1, 8)}
+    # Megatron's own function returns the batch unchanged when CP is 1
+    assert copy_taken_while_installed(batch, _FakeGroup(1, 0))["tokens"].shape == (1, 8)
 
 
 def test_installed_thd_slicing_refuses():
@@ -263,14 +333,17 @@ def test_entry_hooks_megatron_parse_and_validate(tmp_path, monkeypatch):
 
     calls = []
 
+    argv = ["--context-parallel-size", "2", "--seq-length", "64", "--context-parallel-algo", "striped",
+            "--extra", "1"]
+
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         parser = argparse.ArgumentParser()
         parser.add_argument("--context-parallel-size", type=int, default=1)
         parser.add_argument("--seq-length", type=int, default=None)
+        parser.add_argument("--yaml-cfg", type=str, default=None)
         if extra_args_provider is not None:
             parser = extra_args_provider(parser)
-        return parser.parse_args(["--context-parallel-size", "2", "--seq-length", "64",
-                                  "--context-parallel-algo", "striped", "--extra", "1"])
+        return parser.parse_args(argv)
 
     def validate_args(args, defaults={}):
         calls.append("megatron")
@@ -292,6 +365,9 @@ def test_entry_hooks_megatron_parse_and_validate(tmp_path, monkeypatch):
     args.context_parallel_size = 1
     with pytest.raises(ValueError, match="--context-parallel-size"):
         fake.validate_args(args, {})
+    argv += ["--yaml-cfg", "run.yaml"]  # Megatron would skip validate_args: refused at parse time
+    with pytest.raises(ValueError, match="--yaml-cfg"):
+        fake.parse_args(other_provider)
 
     monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
     monkeypatch.chdir(tmp_path)

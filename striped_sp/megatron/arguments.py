@@ -153,3 +153,14 @@ def validate_args(args) -> None:
         )
     if getattr(args, "window_size", None) is not None:
         raise ValueError(f"{flag} does not support sliding-window attention yet: drop --window-size")
+    for name in ("qk_clip", "log_max_attention_logit"):
+        if getattr(args, name, False):
+            raise ValueError(
+                f"{flag} does not report attention logits yet: drop --{name.replace('_', '-')}"
+            )
+    graphs = getattr(args, "cuda_graph_impl", "none") or "none"
+    if graphs != "none" or getattr(args, "external_cuda_graph", False) or getattr(args, "enable_cuda_graph", False):
+        raise ValueError(
+            f"{flag} sends and receives inside attention and cannot be captured in CUDA graphs yet: "
+            "set --cuda-graph-impl none (and drop --external-cuda-graph / --enable-cuda-graph)"
+        )

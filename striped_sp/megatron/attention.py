@@ -33,9 +33,10 @@ def _group_size(group) -> int:
 class ContextParallelAttention(MegatronModule):
     """Exact context-parallel core attention in a striped_sp layout.
 
-    Args (Megatron's, as ``DotProductAttention``): ``config``, ``layer_number``,
-    ``attn_mask_type``, ``attention_type``, ``attention_dropout``, ``softmax_scale``,
-    ``cp_comm_type``, ``pg_collection``.
+    Args (Megatron's, as ``DotProductAttention`` / ``TEDotProductAttention``): ``config``,
+    ``layer_number``, ``attn_mask_type``, ``attention_type``, ``attention_dropout``,
+    ``softmax_scale``, ``cp_comm_type``, ``pg_collection``, ``k_channels``, ``v_channels``,
+    ``num_splits`` (accepted; unequal channels are refused).
     Args (ours): ``algo``: ``striped``, ``zigzag`` or ``ring``; ``backend``: the striped_sp
     kernel backend (``auto``, ``torch``, ``flash_attn``, ``math``).
     """
@@ -50,6 +51,9 @@ class ContextParallelAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        num_splits: Optional[int] = None,
         algo: str = "striped",
         backend: str = "auto",
     ):
@@ -73,6 +77,13 @@ class ContextParallelAttention(MegatronModule):
                 f"{flag} supports only --cp-comm-type p2p (got {cp_comm_type!r}): "
                 "set --cp-comm-type p2p or use --context-parallel-algo native"
             )
+        for name, channels in (("k_channels", k_channels), ("v_channels", v_channels)):
+            if channels is not None and channels != config.kv_channels:
+                raise ValueError(
+                    f"{flag} needs one head_dim for query, key and value ({name}={channels}, "
+                    f"kv_channels={config.kv_channels}): multi-latent attention is not supported "
+                    "yet: drop --multi-latent-attention"
+                )
         if attention_type != "self":
             raise ValueError(
                 f"{flag} supports self-attention only (got attention_type={attention_type!r})"

@@ -9,6 +9,7 @@ imported it by name, so ``from x import f`` copies follow too):
   ``megatron.training`` and pretrain_gpt.py when loaded; THD and hybrid-CP slicing refuse;
 * the GPT spec providers (local, Transformer Engine, decoder block, decoder layers, MTP
   block): every ``core_attention`` they return becomes ``ContextParallelAttention(algo)``;
+  ``GPTModel.__init__`` does the same to whatever layer and MTP specs it is given;
 * MTP's ``roll_tensor``: rolls along the global sequence in the layout;
 * ``megatron.training.arguments.validate_args`` (when importable): also runs our checks.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 from typing import Callable
 
@@ -50,15 +52,24 @@ def installed_algo() -> str | None:
 
 # ---------------------------------------------------------------- replacements (read _STATE)
 
+# A module imported after install() keeps these replacements after uninstall(): they then call
+# the Megatron function they replaced.
+
 def _rope_slice(pos_emb, seq_dim, cp_group):
+    if _STATE["algo"] is None:
+        return _rope_slice.__striped_sp_original__(pos_emb, seq_dim, cp_group)
     return rope.get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group, algo=_STATE["algo"])
 
 
 def _batch_slice(batch, cp_group=None):
+    if _STATE["algo"] is None:
+        return _batch_slice.__striped_sp_original__(batch, cp_group)
     return data.get_batch_on_this_cp_rank(batch, algo=_STATE["algo"], cp_group=cp_group)
 
 
 def _mtp_roll(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    if _STATE["algo"] is None:
+        return _mtp_roll.__striped_sp_original__(tensor, shifts, dims, cp_group, packed_seq_params)
     return data.roll_tensor(
         tensor, shifts=shifts, dims=dims, cp_group=cp_group,
         packed_seq_params=packed_seq_params, algo=_STATE["algo"],
@@ -79,9 +90,29 @@ def _spec_wrapper(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         spec = fn(*args, **kwargs)
+        if _STATE["algo"] is None:
+            return spec
         if isinstance(spec, list):
             return [patch_layer_spec(s, _STATE["algo"], _STATE["backend"]) for s in spec]
         return patch_layer_spec(spec, _STATE["algo"], _STATE["backend"])
+
+    return wrapper
+
+
+def _gpt_model_init_wrapper(init):
+    """GPTModel.__init__ that runs its layer and MTP specs through ``patch_layer_spec``, so that
+    specs from any source (``--spec``, heterogeneous or inference specs, user code) follow."""
+    params = inspect.signature(init)
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        if _STATE["algo"] is not None:
+            bound = params.bind(self, *args, **kwargs)
+            for name in ("transformer_layer_spec", "mtp_block_spec"):
+                if bound.arguments.get(name) is not None:
+                    bound.arguments[name] = patch_layer_spec(bound.arguments[name], _STATE["algo"], _STATE["backend"])
+            args, kwargs = bound.args[1:], bound.kwargs
+        return init(self, *args, **kwargs)
 
     return wrapper
 
@@ -184,6 +215,11 @@ def _apply() -> None:
     # Spec providers.
     for attr in _SPEC_PROVIDERS:
         _wrap_function("megatron.core.models.gpt.gpt_layer_specs", attr, _spec_wrapper)
+
+    # Every GPT model built while installed, whatever its spec's source.
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    _set(GPTModel, "__init__", _gpt_model_init_wrapper(GPTModel.__dict__["__init__"]))
 
     # MTP roll.
     from megatron.core.transformer import multi_token_prediction

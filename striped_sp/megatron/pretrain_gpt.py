@@ -45,7 +45,15 @@ def hook_initialize(module) -> None:
         return  # already hooked
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        return parse(chain_providers(extra_args_provider, add_arguments), ignore_unknown_args)
+        args = parse(chain_providers(extra_args_provider, add_arguments), ignore_unknown_args)
+        algo = getattr(args, "context_parallel_algo", DEFAULT_ALGO)
+        if getattr(args, "yaml_cfg", None) and algo != DEFAULT_ALGO:
+            # Megatron then calls validate_yaml instead of validate_args: nothing would install.
+            raise ValueError(
+                f"--context-parallel-algo {algo} on this no-patch route does not work with --yaml-cfg: "
+                "pass the settings as command-line flags, or apply the patch in patches/"
+            )
+        return args
 
     def validate_args(args, *rest, **kwargs):
         out = validate(args, *rest, **kwargs)

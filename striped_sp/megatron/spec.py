@@ -65,9 +65,12 @@ def patch_layer_spec(spec, algo: str = "striped", backend: str = "auto"):
     """A copy of ``spec`` whose every core attention is ``ContextParallelAttention(algo)``.
 
     ``algo="native"`` returns ``spec`` unchanged; ``None`` (an MTP block spec for a stage with
-    no MTP layers) is returned as is.  A spec without any core_attention raises ``ValueError``.
+    no MTP layers) is returned as is, and so is a block spec with no layers (an embedding- or
+    loss-only pipeline stage).  A spec without any core_attention raises ``ValueError``.
     """
     check_algo(algo)
     if spec is None or algo == "native":
         return spec
+    if (isinstance(spec, (list, tuple)) and not spec) or getattr(spec, "layer_specs", None) == []:
+        return copy.deepcopy(spec)  # a pipeline stage with no decoder layers
     return replace_core_attention(spec, core_attention_spec(algo, backend))
