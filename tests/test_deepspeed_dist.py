@@ -217,6 +217,21 @@ def _case_hf_sliding_window_rejected():
         model(input_ids=ids, position_ids=pos)
 
 
+def _case_hf_padding_mask_rejected():
+    from striped_sp import positions
+    from striped_sp.deepspeed import enable_hf_attention
+
+    model = enable_hf_attention(_tiny_llama(), _STATE["group"], "striped")
+    n = SEQ // WORLD
+    ids = _batch()["input_ids"][:, :n]
+    pos = positions(SEQ, WORLD, dist.get_rank(_STATE["group"])).expand(ids.size(0), -1)
+    mask = torch.ones_like(ids)
+    model(input_ids=ids, position_ids=pos, attention_mask=mask)  # all valid: accepted
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="padding"):
+        model(input_ids=ids, position_ids=pos, attention_mask=mask)
+
+
 def _case_engine_refuses_unshifted_labels():
     from striped_sp import positions, shard
     from striped_sp.deepspeed import initialize
@@ -377,6 +392,7 @@ CASES += [(f"hf_{lay}", _case_hf_model, (lay,)) for lay in ("striped", "zigzag",
 CASES += [("hf_striped_mqa_3_heads", _case_hf_model, ("striped", 3, 1))]
 CASES += [("hf_positions", _case_hf_unsharded_positions_rejected, ())]
 CASES += [("hf_sliding_window", _case_hf_sliding_window_rejected, ())]
+CASES += [("hf_padding_mask", _case_hf_padding_mask_rejected, ())]
 CASES += [("engine_sp1", _case_engine_sp1, ())]  # before any SP=2 engine (DeepSpeed keeps groups.mpu)
 CASES += [(f"engine_sp2_{algo}", _case_engine_sp2, (algo,)) for algo in ("striped", "zigzag", "ring")]
 CASES += [("engine_sp2_striped_no_count", _case_engine_sp2, ("striped", True))]

@@ -78,6 +78,10 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
         )
     register_hf_attention()
     _ACTIVE = _Settings(group, layout, backend, check_positions)
+    if getattr(model, "_striped_sp_mask_hook", None) is None:
+        # transformers drops the mask before the attention function for an implementation
+        # without a mask function, so padding has to be caught at the model's input.
+        model._striped_sp_mask_hook = model.register_forward_pre_hook(_padding_mask_pre_hook, with_kwargs=True)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ValueError(
@@ -106,6 +110,13 @@ def _check_mask(attention_mask) -> None:
         )
     if not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask has padding: striped_sp attention attends to every earlier token")
+
+
+def _padding_mask_pre_hook(module, args, kwargs):
+    mask = kwargs.get("attention_mask")
+    if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        mask = args[1]
+    _check_mask(mask)
 
 
 def _check_positions(position_ids, local_len: int, settings: _Settings) -> None:
