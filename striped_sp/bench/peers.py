@@ -126,6 +126,9 @@ def make_ulysses(group, cfg, q, k, v):
         raise PeerSkip(f"ulysses: deepspeed not importable ({type(e).__name__}: {e})") from None
     try:
         if not ds_comm.is_initialized():
+            from ..deepspeed.env import skip_cpu_shm_comm_build
+
+            skip_cpu_shm_comm_build()  # its CPU shm op serves inference all-reduce, not all-to-all
             # torch.distributed is already up: DeepSpeed wraps the existing default group
             ds_comm.init_distributed(dist_backend=dist.get_backend(group), auto_mpi_discovery=False,
                                      verbose=False)
