@@ -78,8 +78,10 @@ def test_sim_smoke(tmp_path, capsys):
     assert len(recs) == 3 * 2 and all(set(r) == SIM_KEYS and r["efficiency"] is None for r in recs)
 
 
-def test_run_smoke(tmp_path, capsys):
+def test_run_smoke(tmp_path, capsys, monkeypatch):
     path = tmp_path / "run.json"
+    extensions = tmp_path / "torch_extensions"  # DeepSpeed's CPU shm op must not be compiled
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     assert main(["bench", "run", "--world-size", "2", "--seq-lens", "12", "--heads", "2",
                  "--head-dim", "8", "--warmup", "0", "--iters", "1", "--peers", "torch_ring,ulysses",
                  "--device", "cpu", "--threads", "1", "--profile", "--no-progress",
@@ -98,6 +100,7 @@ def test_run_smoke(tmp_path, capsys):
         if m:
             assert float(m.group(1)) < 1e-5, line
     assert "where the time goes" in out
+    assert not extensions.exists() or not any(extensions.iterdir())
 
 
 def test_cli_rejects_bad_input(capsys):
@@ -105,3 +108,23 @@ def test_cli_rejects_bad_input(capsys):
         main(["bench", "sim", "--world-sizes", "0"])
     with pytest.raises(ValueError, match="multiple"):
         main(["bench", "sim", "--world-sizes", "4", "--seq-lens", "6", "--no-progress", "--device", "cpu"])
+
+
+def test_time_call_never_counts_the_warm_up():
+    """Samples come from a fake clock: the cold first call (10 s) must not be in the median."""
+    import torch
+
+    from striped_sp.bench.common import time_call
+
+    durations = iter([10.0, 1.0, 1.0, 1.0, 1.0])
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def fn():
+        now[0] += next(durations)
+
+    assert time_call(fn, torch.device("cpu"), reps=3, long_s=100.0, clock=clock) == 1.0
+    durations, now[0] = iter([10.0, 2.0, 4.0, 9.0]), 0.0  # a long warm-up: 2 samples after it
+    assert time_call(fn, torch.device("cpu"), reps=3, long_s=1.0, clock=clock) == 3.0

@@ -317,6 +317,11 @@ def _case_engine_loader_and_swap():
                                       config=_ds_config(2, "zigzag"), training_data=Data())
     assert isinstance(engine.module.attn, DistributedAttention) and engine.module.attn.layout == "zigzag"
     rank = dist.get_rank(engine.context_parallel_group)
+    # without training_data, the user's own data path must shard in the layout: say so
+    other = Block(_STATE["group"])
+    with pytest.warns(UserWarning, match="shard_batch"):
+        initialize(model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+                   config=_ds_config(2, "zigzag"))
     batches = list(loader)
     assert len(batches) == 3  # one data-parallel replica: every sample, micro-batch 2
     for batch in batches:
