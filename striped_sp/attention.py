@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from .kernels import Kernel, resolve_kernel
 from .layouts import Layout, get_layout
+from .masks import MaskSpec, make_mask, ring_plans
 from .ring import Ring
 
 __all__ = ["ring_attention", "striped_attention", "merge_block"]
@@ -30,15 +31,52 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     lse.sub_(F.logsigmoid(lse - block_lse))
 
 
+def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """:func:`merge_block` for accumulators that may still hold rows with ``lse = -inf`` (no key
+    seen yet, under a document or window mask): the new lse is a ``logaddexp``."""
+    weight = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
+    out.lerp_(block_out.to(out.dtype), weight)
+    torch.logaddexp(lse, block_lse, out=lse)
+
+
+def _rows(x: torch.Tensor, index, dim: int = 1) -> torch.Tensor:
+    """Rows ``index`` (a slice or an int64 tensor) of ``x`` along ``dim``."""
+    if isinstance(index, slice):
+        return x[(slice(None),) * dim + (index,)]
+    return x.index_select(dim, index.to(x.device))
+
+
+def _add_rows(acc: torch.Tensor, index, value: torch.Tensor) -> None:
+    if isinstance(index, slice):
+        acc[:, index] += value
+    else:
+        acc.index_add_(1, index.to(acc.device), value.to(acc.dtype))
+
+
 class _Accumulator:
     """fp32 running output ``[b, s, h, d]`` and log-sum-exp ``[b, h, s]`` of the local queries."""
 
-    def __init__(self, q: torch.Tensor):
+    def __init__(self, q: torch.Tensor, masked: bool = False):
         self.shape = q.shape
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
+        if masked:
+            # Under a mask a call may cover only some rows: start empty and merge with logaddexp.
+            self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            self.lse = torch.full((q.size(0), q.size(2), q.size(1)), float("-inf"), device=q.device)
+        self.masked = masked
 
-    def add(self, q_slice: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    def add(self, q_slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+        if self.masked:
+            if isinstance(q_slice, slice):
+                merge_block_safe(self.out[:, q_slice], self.lse[:, :, q_slice], block_out, block_lse)
+                return
+            idx = q_slice.to(self.out.device)
+            out, lse = self.out.index_select(1, idx), self.lse.index_select(2, idx)
+            merge_block_safe(out, lse, block_out, block_lse)
+            self.out.index_copy_(1, idx, out)
+            self.lse.index_copy_(2, idx, lse)
+            return
         if self.out is None:
             # The first call is the diagonal block (source == rank), which every layout runs
             # over all local queries; starting from it avoids -inf arithmetic.
@@ -69,48 +107,59 @@ class _RingAttention(torch.autograd.Function):
     owner after ``world_size`` hops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel):
+    def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel,
+                mask: MaskSpec | None = None):
         ring = Ring(group)
         n, rank, local_len = ring.world_size, ring.rank, q.size(1)
-        acc = _Accumulator(q)
+        plans = _plans(layout, mask, causal, n, rank, local_len)
+        acc = _Accumulator(q, masked=mask is not None)
         k_cur, v_cur = k.contiguous(), v.contiguous()
         for step in range(n):
             transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
-            source = (rank - step) % n
             with _settle_on_error(transfer):
-                for call in layout.plan(rank, source, n, local_len, causal):
-                    block_out, block_lse = kernel.forward(
-                        q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv], call.causal, scale
-                    )
+                for call in plans[step]:
+                    if mask is None:
+                        block_out, block_lse = kernel.forward(
+                            q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv], call.causal, scale
+                        )
+                    else:
+                        block_out, block_lse = kernel.forward_varlen(
+                            _rows(q, call.q), _rows(k_cur, call.kv), _rows(v_cur, call.kv), call.segments, scale
+                        )
                     acc.add(call.q, block_out, block_lse)
             if transfer is not None:
                 k_cur, v_cur = transfer.wait()
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.kernel = group, layout, causal, scale, kernel
+        ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, causal, scale, kernel = ctx.layout, ctx.causal, ctx.scale, ctx.kernel
+        plans, masked, scale, kernel = ctx.plans, ctx.masked, ctx.scale, ctx.kernel
         ring = Ring(ctx.group)
-        n, rank, local_len = ring.world_size, ring.rank, q.size(1)
+        n = ring.world_size
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         k_cur, v_cur = k.contiguous(), v.contiguous()
         dkv_transfer = None
         for step in range(n):
             kv_transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
-            source = (rank - step) % n
             block_grads = []
             with _settle_on_error(kv_transfer, dkv_transfer):
-                for call in layout.plan(rank, source, n, local_len, causal):
-                    dq_b, dk_b, dv_b = kernel.backward(
-                        dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
-                        out[:, call.q], lse[:, :, call.q], call.causal, scale,
-                    )
-                    dq[:, call.q] += dq_b
+                for call in plans[step]:
+                    if masked:
+                        dq_b, dk_b, dv_b = kernel.backward_varlen(
+                            _rows(dout, call.q), _rows(q, call.q), _rows(k_cur, call.kv), _rows(v_cur, call.kv),
+                            _rows(out, call.q), _rows(lse, call.q, dim=2), call.segments, scale,
+                        )
+                    else:
+                        dq_b, dk_b, dv_b = kernel.backward(
+                            dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
+                            out[:, call.q], lse[:, :, call.q], call.causal, scale,
+                        )
+                    _add_rows(dq, call.q, dq_b)
                     block_grads.append((call.kv, dk_b, dv_b))
             # The dK/dV accumulator of this block arrives while the kernels above ran.
             if dkv_transfer is None:
@@ -118,16 +167,23 @@ class _RingAttention(torch.autograd.Function):
                 dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             else:
                 dk_acc, dv_acc = dkv_transfer.wait()
-            for kv_slice, dk_b, dv_b in block_grads:
-                dk_acc[:, kv_slice] += dk_b
-                dv_acc[:, kv_slice] += dv_b
+            for kv_index, dk_b, dv_b in block_grads:
+                _add_rows(dk_acc, kv_index, dk_b)
+                _add_rows(dv_acc, kv_index, dv_b)
             if n > 1:
                 dkv_transfer = ring.shift([dk_acc, dv_acc])
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()
         if dkv_transfer is not None:
             dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None
+
+
+def _plans(layout: Layout, mask: MaskSpec | None, causal: bool, n: int, rank: int, local_len: int) -> list:
+    """``plans[t]``: the kernel calls of ring step ``t`` (source ``(rank - t) % n``)."""
+    if mask is not None:
+        return ring_plans(layout, mask, n, rank)
+    return [layout.plan(rank, (rank - t) % n, n, local_len, causal) for t in range(n)]
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> None:
@@ -160,24 +216,36 @@ _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.flo
 _LAYOUT_CODES = {"striped": 1, "zigzag": 2, "contiguous": 3}
 
 
-def _check_consistent_across_ranks(q, k, layout: Layout, causal: bool, scale: float, group) -> None:
+def _mask_digest(mask: MaskSpec | None) -> list[int]:
+    """Document count, a checksum of the boundaries, and the window: equal masks, equal digests."""
+    if mask is None:
+        return [0, 0, -1, -2]
+    checksum = sum((i + 1) * b for i, b in enumerate(mask.bounds)) % (1 << 61)
+    return [len(mask.bounds) - 1, checksum, mask.left, mask.right]
+
+
+def _check_consistent_across_ranks(q, k, layout: Layout, causal: bool, scale: float, group,
+                                   mask: MaskSpec | None = None) -> None:
     """Opt-in (``STRIPED_SP_CHECK_RANKS=1``): one small all-gather of every rank's shapes, dtype,
-    layout, causal flag and scale, so that ranks called with different arguments all raise the
-    same ``ValueError`` instead of deadlocking in the ring.  Costs one collective per call."""
+    layout, causal flag, scale, document boundaries and window, so that ranks called with different
+    arguments all raise the same ``ValueError`` instead of deadlocking in the ring.  Costs one
+    collective per call."""
     names = sorted(_LAYOUT_CODES)
     meta = [*q.shape, k.size(2), _DTYPE_CODES.get(q.dtype, 0), _LAYOUT_CODES[layout.name],
-            int(causal), round(scale * 1e9)]
+            int(causal), round(scale * 1e9), *_mask_digest(mask)]
     mine = torch.tensor(meta, dtype=torch.int64, device=q.device)
     n = dist.get_world_size(group)
     every = torch.empty(n * mine.numel(), dtype=torch.int64, device=q.device)
     dist.all_gather_into_tensor(every, mine, group=group)
     rows = every.view(n, -1).tolist()
     if any(row != rows[0] for row in rows):
-        fields = "batch, s_local, heads, head_dim, kv_heads, dtype, layout, causal, scale*1e9"
+        fields = ("batch, s_local, heads, head_dim, kv_heads, dtype, layout, causal, scale*1e9, "
+                  "documents, cu_seqlens checksum, window left, window right")
         detail = "; ".join(f"rank {r}: {row}" for r, row in enumerate(rows))
         raise ValueError(
             f"ring_attention called with different arguments on the ranks of the group ({fields}): "
-            f"{detail}; every rank must pass the same shapes, dtype, layout ({names}), causal and scale"
+            f"{detail}; every rank must pass the same shapes, dtype, layout ({names}), causal, scale, "
+            "cu_seqlens and window_size"
         )
 
 
@@ -191,6 +259,8 @@ def ring_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    cu_seqlens: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -203,6 +273,14 @@ def ring_attention(
         causal: causal mask on *global* positions.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         backend: ``"auto"``, ``"torch"``, ``"torch_cudnn"``, ``"flash_attn"`` or ``"math"``.
+        cu_seqlens: packed documents: 1-D integer boundaries ``[0, l1, l1+l2, ..., S]`` on the
+            *global* row of ``S = s_local * world_size`` tokens (the THD convention), the same on
+            every rank; needs ``batch == 1``.  A query attends to its own document only.  Under
+            ``zigzag`` every document must be a multiple of ``2 * world_size`` long
+            (:func:`striped_sp.pad_documents`).
+        window_size: ``(left, right)`` sliding window (flash-attn / Megatron convention): a query at
+            global position ``p`` sees keys ``p-left .. p+right``; ``-1`` = no limit; ``right`` must
+            be 0 when ``causal``.  Hugging Face's ``sliding_window=W`` is ``(W - 1, 0)``.
 
     Returns:
         ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
@@ -210,7 +288,8 @@ def ring_attention(
 
     Every argument is checked before any message is sent; bad ones raise ``ValueError``.
     With ``STRIPED_SP_CHECK_RANKS=1`` in the environment, one extra small all-gather also checks
-    that every rank of the group passed the same shapes, dtype, layout, causal flag and scale.
+    that every rank of the group passed the same shapes, dtype, layout, causal flag, scale,
+    ``cu_seqlens`` and ``window_size``.
     """
     lay = get_layout(layout)
     _check_inputs(q, k, v, lay)
@@ -225,9 +304,25 @@ def ring_attention(
     scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise ValueError(f"softmax_scale={softmax_scale} must be positive")
+    mask = _make_mask(q, group, lay, bool(causal), cu_seqlens, window_size)
     if os.environ.get("STRIPED_SP_CHECK_RANKS", "0") not in ("", "0"):
-        _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group)
-    return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel)
+        _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group, mask)
+    return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask)
+
+
+def _make_mask(q, group, layout: Layout, causal: bool, cu_seqlens, window_size) -> MaskSpec | None:
+    """The checked mask, or ``None`` when it is the plain (causal or full) one."""
+    if cu_seqlens is None and window_size is None:
+        return None
+    if cu_seqlens is not None and q.size(0) != 1:
+        raise ValueError(
+            f"cu_seqlens needs batch size 1 (one packed row, the THD convention), got batch {q.size(0)}: "
+            "pack the rows into one, or call once per row"
+        )
+    n = dist.get_world_size(group)
+    mask = make_mask(q.size(1) * n, n, layout, cu_seqlens, window_size, causal)
+    plain = mask.bounds == (0, mask.seq_len) and mask.left == -1 and mask.right == (0 if causal else -1)
+    return None if plain else mask
 
 
 def striped_attention(q, k, v, group=None, **kwargs) -> torch.Tensor:

@@ -11,6 +11,15 @@ fewer heads (GQA/MQA: query head ``h`` uses kv head ``h // (heads // kv_heads)``
     ``dq``/``dk``/``dv`` have the shapes of ``q``/``k``/``v`` (kv heads, not expanded).
 
 A causal call is always square (``seq_q == seq_k``), with the diagonal kept.
+
+Packed documents and sliding windows add two entry points (:mod:`striped_sp.varlen`):
+
+``forward_varlen(q, k, v, segments, scale) -> (out, lse)`` / ``backward_varlen(dout, q, k, v, out, lse, segments, scale)``
+    many band segments on packed rows (:class:`striped_sp.masks.Segments`).  Kernels with a
+    native varlen function (flash-attn, PyTorch's CUDA flash op) run it once per window class;
+    the others cover the segments with direct calls and batched masked calls:
+``forward_masked(q, k, v, mask, scale)`` / ``backward_masked(dout, q, k, v, out, lse, mask, scale)``
+    ``mask``: bool ``[batch or 1, 1, seq_q, seq_k]``, True = visible; every row sees a key.
 """
 
 from __future__ import annotations
@@ -56,6 +65,32 @@ class Kernel:
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         raise NotImplementedError
 
+    def forward_masked(self, q, k, v, mask, scale: float):
+        raise NotImplementedError(f"backend {self.name!r} has no masked attention call")
+
+    def backward_masked(self, dout, q, k, v, out, lse, mask, scale: float):
+        raise NotImplementedError(f"backend {self.name!r} has no masked attention call")
+
+    def forward_varlen(self, q, k, v, segments, scale: float):
+        from .varlen import varlen_forward
+
+        return varlen_forward(self, q, k, v, segments, scale)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale: float):
+        from .varlen import varlen_backward
+
+        return varlen_backward(self, dout, q, k, v, out, lse, segments, scale)
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
+    """0 where ``mask`` is True, -inf elsewhere, in ``dtype``; the last dim's storage padded to a
+    multiple of ``align`` (the CUDA memory-efficient op needs aligned bias rows)."""
+    lk = mask.size(-1)
+    padded = -(-lk // align) * align
+    bias = torch.zeros(*mask.shape[:-1], padded, dtype=dtype, device=mask.device)
+    bias[..., :lk].masked_fill_(~mask, float("-inf"))
+    return bias[..., :lk]
+
 
 class MathKernel(Kernel):
     """Matmul reference, computed in float32 (float64 for float64 inputs).  Runs anywhere."""
@@ -68,24 +103,31 @@ class MathKernel(Kernel):
         return None
 
     @staticmethod
-    def _scores(q, k, causal, scale):
+    def _scores(q, k, causal, scale, mask=None):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         kx = _expand_kv(k, q.size(2)).to(acc)
         s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kx) * scale
         if causal:
-            mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
-            s = s.masked_fill(mask, float("-inf"))
+            mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
         return s, acc
 
-    def forward(self, q, k, v, causal, scale):
-        s, acc = self._scores(q, k, causal, scale)
+    def forward_masked(self, q, k, v, mask, scale):
+        return self.forward(q, k, v, False, scale, mask)
+
+    def backward_masked(self, dout, q, k, v, out, lse, mask, scale):
+        return self.backward(dout, q, k, v, out, lse, False, scale, mask)
+
+    def forward(self, q, k, v, causal, scale, mask=None):
+        s, acc = self._scores(q, k, causal, scale, mask)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.size(2)).to(acc))
         return out.to(q.dtype), lse.float().contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        s, acc = self._scores(q, k, causal, scale)
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+        s, acc = self._scores(q, k, causal, scale, mask)
         p = torch.exp(s - lse.to(acc).unsqueeze(-1))
         do = dout.to(acc)
         vx = _expand_kv(v, q.size(2)).to(acc)
@@ -201,6 +243,75 @@ class TorchKernel(Kernel):
         dv = _group_sum(dv.transpose(1, 2), kvh)
         return dq.transpose(1, 2), dk, dv
 
+    # -- masks and varlen (packed documents, sliding windows) ------------------------------
+    def forward_masked(self, q, k, v, mask, scale):
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+                attn_mask=_additive_mask(mask, q.dtype), scale=scale,
+            )
+            return out.transpose(1, 2), lse.contiguous()
+        h = q.size(2)
+        bias = _additive_mask(mask, q.dtype, align=16).expand(q.size(0), h, q.size(1), k.size(1))
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2), _expand_kv(v, h).transpose(1, 2),
+            bias, True, 0.0, False, scale=scale)
+        return res[0].transpose(1, 2), res[1][:, :, : q.size(1)].float().contiguous()
+
+    def backward_masked(self, dout, q, k, v, out, lse, mask, scale):
+        if q.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                out.transpose(1, 2), lse.contiguous(), 0.0, False,
+                attn_mask=_additive_mask(mask, q.dtype), scale=scale,
+            )
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        h, kvh, sq = q.size(2), k.size(2), q.size(1)
+        bias = _additive_mask(mask, q.dtype, align=16).expand(q.size(0), h, sq, k.size(1))
+        lse_p = lse.new_zeros(lse.shape[0], lse.shape[1], -(-sq // 32) * 32)
+        lse_p[:, :, :sq] = lse
+        rng = q.new_empty(0, dtype=torch.int64)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2),
+            _expand_kv(v, h).transpose(1, 2), bias, out.transpose(1, 2), lse_p, rng, rng, 0.0,
+            [True, True, True, False], False, scale=scale)
+        return dq.transpose(1, 2), _group_sum(dk.transpose(1, 2), kvh), _group_sum(dv.transpose(1, 2), kvh)
+
+    def _native_varlen(self, q) -> bool:
+        return q.device.type == "cuda" and self.cuda_variant is None and self._cuda_op(q) == "flash"
+
+    def forward_varlen(self, q, k, v, segments, scale):
+        if not self._native_varlen(q):
+            return super().forward_varlen(q, k, v, segments, scale)
+        from .varlen import native_varlen_forward
+
+        h = q.size(2)
+
+        def call(qg, kg, vg, cu_q, cu_k, mq, mk, wl, wr):
+            res = torch.ops.aten._flash_attention_forward(
+                qg, _expand_kv(kg.unsqueeze(0), h)[0], _expand_kv(vg.unsqueeze(0), h)[0], cu_q, cu_k, mq, mk,
+                0.0, wl < 0 and wr == 0, False, scale=scale, window_size_left=wl, window_size_right=wr)
+            return res[0], res[1]
+
+        return native_varlen_forward(call, q, k, v, segments)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale):
+        if not self._native_varlen(q):
+            return super().backward_varlen(dout, q, k, v, out, lse, segments, scale)
+        from .varlen import native_varlen_backward
+
+        h, kvh = q.size(2), k.size(2)
+
+        def call(dog, qg, kg, vg, og, lg, cu_q, cu_k, mq, mk, wl, wr):
+            rng = qg.new_empty(0, dtype=torch.int64)
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(
+                dog, qg, _expand_kv(kg.unsqueeze(0), h)[0], _expand_kv(vg.unsqueeze(0), h)[0], og, lg,
+                cu_q, cu_k, mq, mk, 0.0, wl < 0 and wr == 0, rng, rng, scale=scale,
+                window_size_left=wl, window_size_right=wr)
+            return dq, _group_sum(dk.unsqueeze(0), kvh)[0], _group_sum(dv.unsqueeze(0), kvh)[0]
+
+        return native_varlen_backward(call, dout, q, k, v, out, lse, segments)
+
 
 def _call_with_supported_kwargs(fn: Callable, **kwargs):
     """Call ``fn`` with the keyword arguments its signature accepts (flash-attn's private
@@ -259,6 +370,41 @@ class FlashAttnKernel(Kernel):
             deterministic=False, rng_state=None,
         )
         return dq, dk, dv
+
+    def forward_varlen(self, q, k, v, segments, scale):
+        from .varlen import native_varlen_forward
+
+        mod = self._module()
+
+        def call(qg, kg, vg, cu_q, cu_k, mq, mk, wl, wr):
+            res = _call_with_supported_kwargs(
+                mod._flash_attn_varlen_forward,
+                q=qg, k=kg, v=vg, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
+                dropout_p=0.0, softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl,
+                window_size_right=wr, softcap=0.0, alibi_slopes=None, return_softmax=False,
+            )
+            # 2.6+: (out, lse [h, total_q], S_dmask, rng_state); earlier: lse at index 5
+            return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+
+        return native_varlen_forward(call, q, k, v, segments)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale):
+        from .varlen import native_varlen_backward
+
+        mod = self._module()
+
+        def call(dog, qg, kg, vg, og, lg, cu_q, cu_k, mq, mk, wl, wr):
+            dq, dk, dv = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
+            _call_with_supported_kwargs(
+                mod._flash_attn_varlen_backward,
+                dout=dog, q=qg, k=kg, v=vg, out=og, softmax_lse=lg, dq=dq, dk=dk, dv=dv,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0,
+                softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl, window_size_right=wr,
+                softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+            )
+            return dq, dk, dv
+
+        return native_varlen_backward(call, dout, q, k, v, out, lse, segments)
 
 
 KERNELS: dict[str, Kernel] = {

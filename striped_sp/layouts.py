@@ -13,6 +13,12 @@ Layouts (sequence of ``S`` tokens on ``N`` ranks, ``n = S / N`` tokens per rank)
 * ``zigzag``: the sequence is cut into ``2N`` chunks; rank ``r`` holds chunks ``r`` and
   ``2N-1-r`` (Megatron-LM / Transformer Engine's load-balanced layout).
 * ``striped``: rank ``r`` holds ``r, r+N, r+2N, ...`` (Striped Attention, arXiv 2311.09431).
+
+With packed documents (``cu_seqlens``) ``striped`` and ``contiguous`` keep their positions, while
+``zigzag`` follows Transformer Engine's THD rule: every document (padded to a multiple of ``2N``)
+is cut into ``2N`` chunks and rank ``r`` holds chunks ``r`` and ``2N-1-r`` of each.  Every layout
+describes its tokens as *runs* (local start, first position, count) with one stride, from which
+both the positions and the masked block plans (:mod:`striped_sp.masks`) derive.
 """
 
 from __future__ import annotations
@@ -90,9 +96,25 @@ class Layout:
                 f"{self.seq_multiple} for layout '{self.name}'"
             )
 
-    def positions(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
-        """Global positions (int64, increasing, length ``seq_len // world_size``) of rank's tokens."""
+    def stride(self, world_size: int) -> int:
+        """Position step between consecutive local tokens inside one run."""
+        return 1
+
+    def runs(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> list[tuple[int, int, int]]:
+        """This rank's tokens as runs ``(local_start, first_position, count)`` of step
+        :meth:`stride`, in local order (positions increase along the local index)."""
         raise NotImplementedError
+
+    def positions(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> torch.Tensor:
+        """Global positions (int64, increasing, length ``seq_len // world_size``) of rank's tokens.
+
+        ``cu_seqlens`` (document boundaries of the packed row, a list of ints) changes the
+        positions of ``zigzag`` only."""
+        self.check_seq_len(seq_len, world_size)
+        step = self.stride(world_size)
+        parts = [torch.arange(p, p + c * step, step, dtype=torch.int64)
+                 for _, p, c in self.runs(seq_len, world_size, rank, cu_seqlens)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
     def causal_plan(self, rank: int, source: int, world_size: int, local_len: int) -> list[BlockCall]:
         raise NotImplementedError
@@ -112,10 +134,9 @@ class Layout:
 class Contiguous(Layout):
     name = "contiguous"
 
-    def positions(self, seq_len, world_size, rank):
-        self.check_seq_len(seq_len, world_size)
+    def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         n = seq_len // world_size
-        return torch.arange(rank * n, (rank + 1) * n, dtype=torch.int64)
+        return [(0, rank * n, n)]
 
     def causal_plan(self, rank, source, world_size, local_len):
         if source == rank:
@@ -129,13 +150,15 @@ class Zigzag(Layout):
     name = "zigzag"
     seq_multiple = 2
 
-    def positions(self, seq_len, world_size, rank):
-        self.check_seq_len(seq_len, world_size)
-        c = seq_len // (2 * world_size)
-        first = torch.arange(rank * c, (rank + 1) * c, dtype=torch.int64)
-        last_chunk = 2 * world_size - 1 - rank
-        second = torch.arange(last_chunk * c, (last_chunk + 1) * c, dtype=torch.int64)
-        return torch.cat([first, second])
+    def runs(self, seq_len, world_size, rank, cu_seqlens=None):
+        bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
+        out, local = [], 0
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            c = (end - start) // (2 * world_size)
+            out.append((local, start + rank * c, c))
+            out.append((local + c, start + (2 * world_size - 1 - rank) * c, c))
+            local += 2 * c
+        return out
 
     def causal_plan(self, rank, source, world_size, local_len):
         half = local_len // 2
@@ -152,9 +175,11 @@ class Zigzag(Layout):
 class Striped(Layout):
     name = "striped"
 
-    def positions(self, seq_len, world_size, rank):
-        self.check_seq_len(seq_len, world_size)
-        return torch.arange(rank, seq_len, world_size, dtype=torch.int64)
+    def stride(self, world_size):
+        return world_size
+
+    def runs(self, seq_len, world_size, rank, cu_seqlens=None):
+        return [(0, rank, seq_len // world_size)]
 
     def causal_plan(self, rank, source, world_size, local_len):
         # Key b of `source` sits at b*N + source, query a of `rank` at a*N + rank.
@@ -187,20 +212,27 @@ def _check_rank(world_size: int, rank: int) -> None:
         raise ValueError(f"rank={rank} must satisfy 0 <= rank < world_size={world_size}")
 
 
-def positions(seq_len: int, world_size: int, rank: int, layout: str = "striped") -> torch.Tensor:
-    """Global positions (int64, increasing) of the tokens that ``rank`` holds under ``layout``."""
+def positions(seq_len: int, world_size: int, rank: int, layout: str = "striped", cu_seqlens=None) -> torch.Tensor:
+    """Global positions (int64, increasing) of the tokens that ``rank`` holds under ``layout``.
+
+    ``cu_seqlens``: document boundaries of a packed row (see :func:`striped_sp.ring_attention`);
+    it changes only ``zigzag`` (per-document chunks, every document a multiple of ``2N`` long)."""
+    from .masks import check_cu_seqlens
+
     lay = get_layout(layout)
     _check_rank(world_size, rank)
-    return lay.positions(seq_len, world_size, rank)
+    bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len, world_size, lay)
+    return lay.positions(seq_len, world_size, rank, bounds)
 
 
-def shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1, layout: str = "striped") -> torch.Tensor:
+def shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1, layout: str = "striped",
+          cu_seqlens=None) -> torch.Tensor:
     """The part of ``x`` that ``rank`` holds: ``x.index_select(dim, positions(...))``."""
-    idx = positions(x.size(dim), world_size, rank, layout).to(x.device)
+    idx = positions(x.size(dim), world_size, rank, layout, cu_seqlens).to(x.device)
     return x.index_select(dim, idx)
 
 
-def unshard(shards: Sequence[torch.Tensor], dim: int = 1, layout: str = "striped") -> torch.Tensor:
+def unshard(shards: Sequence[torch.Tensor], dim: int = 1, layout: str = "striped", cu_seqlens=None) -> torch.Tensor:
     """The full tensor from every rank's shard, in rank order (the inverse of :func:`shard`)."""
     if len(shards) == 0:
         raise ValueError("unshard needs at least one shard, got an empty list")
@@ -214,7 +246,7 @@ def unshard(shards: Sequence[torch.Tensor], dim: int = 1, layout: str = "striped
             )
     seq_len = local * world_size
     stacked = torch.cat(list(shards), dim=dim)
-    order = torch.cat([lay.positions(seq_len, world_size, r) for r in range(world_size)])
+    order = torch.cat([positions(seq_len, world_size, r, lay, cu_seqlens) for r in range(world_size)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(seq_len, dtype=order.dtype)
     return stacked.index_select(dim, inverse.to(stacked.device))

@@ -1,0 +1,303 @@
+"""Masks beyond one causal triangle: packed documents and sliding windows, as block plans.
+
+A mask is data: the document boundaries of the packed row (``cu_seqlens``, global positions) and
+a window ``(left, right)`` in the flash-attn / Megatron convention.  A query at global position
+``p`` sees the keys of its own document at positions ``p - left .. p + right`` (``left = -1`` or
+``right = -1``: unbounded on that side; ``right = 0`` under ``causal``).
+
+Every layout describes a rank's tokens as runs of one stride (:meth:`Layout.runs`).  Cut at the
+document bounds, runs become *pieces* (one document, one stride).  A query piece and a key piece
+of the same document meet in a *band*: with local indices ``a`` (queries) and ``b`` (keys) the
+visible entries are exactly ``lo <= b - a <= hi`` for two integers that follow from the pieces'
+first positions, the stride and the window.  After trimming the rows that see nothing and the
+keys nobody sees, each band is one *segment* of a varlen kernel call, written with flash-attn's
+bottom-right aligned window ``(wl, wr)`` (``-1`` = unbounded).  Under ``striped`` every segment is
+a square causal call (inclusive or strict, as in the dense case), and a block's segments form at
+most two window classes, so short documents cost one fused call per block, not one each.
+
+A block plan is a list of :class:`SegmentCall`; each query row appears at most once per call, so
+a call's ``(out, lse)`` merges into the accumulators row by row.  ``zigzag`` can pair one query
+piece with two key pieces of the same document (its two chunks): those go to two calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import torch
+
+__all__ = ["MaskSpec", "Segments", "SegmentCall", "check_cu_seqlens", "check_window", "make_mask",
+           "block_plan", "ring_plans"]
+
+INF = 1 << 40
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def check_cu_seqlens(cu_seqlens, seq_len: int, world_size: int, layout=None) -> tuple[int, ...]:
+    """Validate document boundaries of the global packed row; returns them as a tuple of ints.
+
+    Rules: 1-D, integer, starting at 0, strictly increasing, ending at ``seq_len``; under
+    ``zigzag`` every document is a multiple of ``2 * world_size`` long (pad with
+    :func:`striped_sp.pad_documents`)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}: it must be 1-D "
+                             "(document boundaries [0, l1, l1+l2, ..., S] of the global packed row)")
+        if cu_seqlens.dtype not in _INT_DTYPES:
+            raise ValueError(f"cu_seqlens has dtype {cu_seqlens.dtype}: it must be an integer tensor")
+        bounds = tuple(int(x) for x in cu_seqlens.tolist())
+    elif isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+            raise ValueError(f"cu_seqlens={list(cu_seqlens)[:8]}...: every boundary must be an int")
+        bounds = tuple(cu_seqlens)
+    else:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens).__name__}")
+    shown = list(bounds[:6]) + (["..."] if len(bounds) > 6 else [])
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens={shown} must start at 0 and hold at least one document")
+    for i in range(1, len(bounds)):
+        if bounds[i] <= bounds[i - 1]:
+            raise ValueError(f"cu_seqlens must be strictly increasing: entry {i} is {bounds[i]}, "
+                             f"after {bounds[i - 1]} (cu_seqlens={shown})")
+    if bounds[-1] != seq_len:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the global row holds {seq_len} tokens "
+                         f"(local length x world_size); the last boundary must equal it")
+    if layout is not None and getattr(layout, "name", layout) == "zigzag":
+        unit = 2 * world_size
+        for i in range(len(bounds) - 1):
+            length = bounds[i + 1] - bounds[i]
+            if length % unit:
+                raise ValueError(
+                    f"document {i} has {length} tokens: under layout 'zigzag' every document must be a "
+                    f"multiple of 2 * world_size = {unit} (pad them with striped_sp.pad_documents, as "
+                    "Transformer Engine does); 'striped' and 'contiguous' need no padding")
+    return bounds
+
+
+def check_window(window_size, causal: bool) -> tuple[int, int]:
+    """Validate ``window_size=(left, right)``; ``None`` means no window.  Returns ``(left, right)``
+    with ``right = 0`` under ``causal``."""
+    if window_size is None:
+        return -1, (0 if causal else -1)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size={window_size!r} must be a pair (left, right)") from None
+    for name, val in (("left", left), ("right", right)):
+        if isinstance(val, torch.Tensor) and val.numel() == 1:
+            val = int(val)
+        if not isinstance(val, int) or isinstance(val, bool) or val < -1:
+            raise ValueError(f"window_size {name}={val!r} must be an int >= -1 (-1: no limit)")
+    left, right = int(left), int(right)
+    if causal and right != 0:
+        raise ValueError(f"window_size=({left}, {right}): right must be 0 when causal=True "
+                         "(a query sees keys p-left .. p)")
+    return left, right
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """The mask of one packed row: document bounds and window; ``right == 0`` is causal."""
+
+    seq_len: int
+    bounds: tuple
+    left: int = -1
+    right: int = 0
+
+    @property
+    def causal(self) -> bool:
+        return self.right == 0
+
+
+def make_mask(seq_len, world_size, layout, cu_seqlens=None, window_size=None, causal=True) -> MaskSpec:
+    """Checked :class:`MaskSpec` (``ValueError`` on a bad ``cu_seqlens`` or ``window_size``)."""
+    bounds = (0, seq_len) if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len, world_size, layout)
+    left, right = check_window(window_size, causal)
+    return MaskSpec(seq_len, bounds, left, right)
+
+
+@dataclasses.dataclass
+class Segments:
+    """The segments of one varlen call, on packed rows (the flash-attn varlen convention).
+
+    Segment ``t`` has queries ``cu_q[t]:cu_q[t+1]`` and keys ``cu_k[t]:cu_k[t+1]`` of the packed
+    (gathered) tensors; query ``x`` sees key ``y`` iff ``x + sh - wl <= y <= x + sh + wr`` with
+    ``sh = lk - lq`` (bottom-right aligned; ``-1`` = unbounded).  int64 CPU tensors."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    wl: torch.Tensor
+    wr: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.wl.numel()
+
+    @property
+    def lq(self) -> torch.Tensor:
+        return self.cu_q[1:] - self.cu_q[:-1]
+
+    @property
+    def lk(self) -> torch.Tensor:
+        return self.cu_k[1:] - self.cu_k[:-1]
+
+    def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)``: segment-local ``lo <= y - x <= hi`` (±2**40 when unbounded)."""
+        sh = self.lk - self.lq
+        lo = torch.where(self.wl < 0, torch.full_like(sh, -INF), sh - self.wl)
+        hi = torch.where(self.wr < 0, torch.full_like(sh, INF), sh + self.wr)
+        return lo, hi
+
+    def entries(self) -> int:
+        """Visible score entries of all segments (per batch row and head)."""
+        return int(_band_entries(self.lq, self.lk, *self.offsets()).sum())
+
+    def dense_mask(self) -> torch.Tensor:
+        """Boolean ``[total_q, total_k]`` mask of the call (for references and small calls)."""
+        nq, nk = int(self.cu_q[-1]), int(self.cu_k[-1])
+        seg_q = torch.repeat_interleave(torch.arange(len(self)), self.lq)
+        seg_k = torch.repeat_interleave(torch.arange(len(self)), self.lk)
+        x = torch.arange(nq) - self.cu_q[:-1][seg_q]
+        y = torch.arange(nk) - self.cu_k[:-1][seg_k]
+        lo, hi = self.offsets()
+        d = y.unsqueeze(0) - x.unsqueeze(1)
+        same = seg_q.unsqueeze(1) == seg_k.unsqueeze(0)
+        return same & (d >= lo[seg_q].unsqueeze(1)) & (d <= hi[seg_q].unsqueeze(1))
+
+
+def _band_entries(lq, lk, lo, hi) -> torch.Tensor:
+    """Per segment, the number of (x, y) in [0,lq) x [0,lk) with lo <= y - x <= hi."""
+    if lq.numel() == 0:
+        return lq
+    seg = torch.repeat_interleave(torch.arange(lq.numel()), lq)
+    start = torch.cumsum(lq, 0) - lq
+    x = torch.arange(int(lq.sum())) - start[seg]
+    first = torch.clamp(x + lo[seg], min=0)
+    last = torch.minimum(x + hi[seg], lk[seg] - 1)
+    per_row = torch.clamp(last - first + 1, min=0)
+    return torch.zeros(lq.numel(), dtype=torch.int64).index_add_(0, seg, per_row)
+
+
+@dataclasses.dataclass
+class SegmentCall:
+    """One varlen kernel call of a ring block: ``q`` / ``kv`` index the local rows (a ``slice`` when
+    they are one contiguous range, else an int64 tensor, in packed order) and ``segments`` the
+    bands.  Query rows are distinct inside a call; key rows may repeat."""
+
+    q: slice | torch.Tensor
+    kv: slice | torch.Tensor
+    segments: Segments
+    entries: int
+
+    def q_len(self, n: int) -> int:
+        return int(self.segments.cu_q[-1])
+
+    def kv_len(self, n: int) -> int:
+        return int(self.segments.cu_k[-1])
+
+    def score_entries(self, n: int) -> int:
+        return self.entries
+
+
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return -torch.div(-a, b, rounding_mode="floor")
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated ``arange(s, s + l)`` for every (s, l)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    offs = torch.cumsum(lengths, 0) - lengths
+    return starts[seg] + (torch.arange(total) - offs[seg])
+
+
+def _as_index(rows: torch.Tensor) -> slice | torch.Tensor:
+    if rows.numel() > 0 and (rows.numel() == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
+
+
+def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
+    """This rank's runs cut at document bounds: ``(doc, local_start, first_pos, count)`` int64."""
+    stride = layout.stride(world_size)
+    runs = torch.tensor(layout.runs(spec.seq_len, world_size, rank, spec.bounds), dtype=torch.int64).view(-1, 3)
+    runs = runs[runs[:, 2] > 0]
+    local0, pos0, count = runs.t().contiguous().unbind(0)
+    starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
+    ends = torch.tensor(spec.bounds[1:], dtype=torch.int64)
+    d0 = torch.searchsorted(starts, pos0, right=True) - 1
+    d1 = torch.searchsorted(starts, pos0 + (count - 1) * stride, right=True) - 1
+    reps = d1 - d0 + 1
+    run = torch.repeat_interleave(torch.arange(runs.size(0)), reps)
+    doc = d0[run] + (torch.arange(int(reps.sum())) - (torch.cumsum(reps, 0) - reps)[run])
+    a0 = torch.clamp(_ceil_div(starts[doc] - pos0[run], stride), min=0)
+    a1 = torch.minimum(_ceil_div(ends[doc] - pos0[run], stride), count[run])
+    keep = a1 > a0
+    a0, a1, doc, run = a0[keep], a1[keep], doc[keep], run[keep]
+    return doc, local0[run] + a0, pos0[run] + a0 * stride, a1 - a0
+
+
+def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int) -> list[SegmentCall]:
+    """The varlen calls that cover exactly the visible entries of queries on ``rank`` against
+    keys from ``source`` (local indices); ``[]`` when nothing is visible."""
+    stride = layout.stride(world_size)
+    qd, ql, qp, qn = _pieces(layout, spec, world_size, rank)
+    kd, kl, kp, kn = _pieces(layout, spec, world_size, source)
+    first = torch.searchsorted(kd, qd)
+    reps = torch.searchsorted(kd, qd, right=True) - first
+    qi = torch.repeat_interleave(torch.arange(qd.numel()), reps)
+    nth = torch.arange(qi.numel()) - (torch.cumsum(reps, 0) - reps)[qi]
+    ki = first[qi] + nth
+    dist = qp[qi] - kp[ki]
+    hi = (torch.div(dist + spec.right, stride, rounding_mode="floor") if spec.right >= 0
+          else torch.full_like(dist, INF))
+    lo = _ceil_div(dist - spec.left, stride) if spec.left >= 0 else torch.full_like(dist, -INF)
+    nq, nk = qn[qi], kn[ki]
+    a0 = torch.clamp(-hi, min=0)
+    a1 = torch.minimum(nq - 1, nk - 1 - lo)
+    keep = (a0 <= a1) & (lo <= hi)
+    b0 = torch.clamp(a0 + lo, min=0)
+    b1 = torch.minimum(nk - 1, a1 + hi)
+    lq, lk = a1 - a0 + 1, b1 - b0 + 1
+    lo2, hi2 = lo + a0 - b0, hi + a0 - b0
+    sh = lk - lq
+    wl = torch.where(lq - 1 + lo2 <= 0, -1, sh - lo2)
+    wr = torch.where(hi2 >= lk - 1, -1, hi2 - sh)
+    q_start, k_start = ql[qi] + a0, kl[ki] + b0
+    calls = []
+    for c in range(int(nth.max()) + 1 if nth.numel() else 0):
+        sel = keep & (nth == c)
+        if not bool(sel.any()):
+            continue
+        seg_lq, seg_lk = lq[sel], lk[sel]
+        zero = torch.zeros(1, dtype=torch.int64)
+        segs = Segments(torch.cat([zero, torch.cumsum(seg_lq, 0)]), torch.cat([zero, torch.cumsum(seg_lk, 0)]),
+                        wl[sel], wr[sel])
+        calls.append(SegmentCall(_as_index(_ranges(q_start[sel], seg_lq)), _as_index(_ranges(k_start[sel], seg_lk)),
+                                 segs, segs.entries()))
+    return calls
+
+
+_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 16
+
+
+def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int) -> list[list[SegmentCall]]:
+    """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``).
+
+    Cached (LRU of 16) on the layout, mask, ring size and rank: every layer of a step reuses it."""
+    key = (layout.name, spec, world_size, rank)
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    plans = [block_plan(layout, spec, world_size, rank, (rank - t) % world_size) for t in range(world_size)]
+    with _CACHE_LOCK:
+        _CACHE[key] = plans
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return plans
