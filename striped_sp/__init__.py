@@ -2,6 +2,7 @@
 
 from .attention import ring_attention, striped_attention
 from .layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
+from .packing import PaddedDocuments, document_positions, pad_documents
 
 __version__ = "0.1.0"
 
@@ -14,4 +15,7 @@ __all__ = [
     "get_layout",
     "LAYOUTS",
     "BlockCall",
+    "pad_documents",
+    "document_positions",
+    "PaddedDocuments",
 ]

@@ -265,7 +265,8 @@ def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int) 
     lo2, hi2 = lo + a0 - b0, hi + a0 - b0
     sh = lk - lq
     wl = torch.where(lq - 1 + lo2 <= 0, -1, sh - lo2)
-    wr = torch.where(hi2 >= lk - 1, -1, hi2 - sh)
+    # unbounded on the right when the first row sees the last key; an exact causal edge stays 0
+    wr = torch.where((hi2 >= lk - 1) & (hi2 != sh), -1, hi2 - sh)
     q_start, k_start = ql[qi] + a0, kl[ki] + b0
     calls = []
     for c in range(int(nth.max()) + 1 if nth.numel() else 0):

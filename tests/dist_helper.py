@@ -69,3 +69,27 @@ def run_cases(world_size: int, cases: list, timeout_s: float = 600.0) -> dict:
                 if p.is_alive():
                     p.kill()
     return merged
+
+
+_groups = {}
+
+
+def cp_group(n):
+    """This rank's CP group of size ``n`` and its rank in it (collective on first use).
+
+    ``n`` = world size: the default group; ``1``: a group per rank; ``2`` in a world of 4: the
+    non-adjacent pairs ``[0, 2]`` and ``[1, 3]`` (neighbours must come from the group)."""
+    world = dist.get_world_size()
+    if n == world:
+        return None, dist.get_rank()
+    if n not in _groups:
+        if n == 1:
+            groups = [dist.new_group([r]) for r in range(world)]
+            _groups[n] = groups[dist.get_rank()]
+        elif n == 2 and world == 4:
+            groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            _groups[n] = groups[dist.get_rank() % 2]
+        else:
+            raise AssertionError(f"no sub-group of size {n} in a world of {world}")
+    group = _groups[n]
+    return group, dist.get_rank(group)

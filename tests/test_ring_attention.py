@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import striped_sp
-from dist_helper import run_cases
+from dist_helper import cp_group, run_cases
 from reference import reference_attention, rel_err
 
 SEED = random.randrange(2**31)
@@ -21,25 +21,7 @@ LAYOUTS = ["striped", "zigzag", "contiguous"]
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (8, 1)}
 DTYPES = {"float32": (torch.float32, 1e-5), "bfloat16": (torch.bfloat16, 2e-2)}
 
-_groups = {}
-
-
-def _cp_group(n):
-    """This rank's CP group of size ``n`` and its rank in it (collective on first use)."""
-    world = dist.get_world_size()
-    if n == world:
-        return None, dist.get_rank()
-    if n not in _groups:
-        if n == 1:
-            groups = [dist.new_group([r]) for r in range(world)]
-            _groups[n] = groups[dist.get_rank()]
-        elif n == 2 and world == 4:
-            groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-            _groups[n] = groups[dist.get_rank() % 2]
-        else:
-            raise AssertionError(f"no sub-group of size {n} in a world of {world}")
-    group = _groups[n]
-    return group, dist.get_rank(group)
+_cp_group = cp_group
 
 
 def check_against_reference(n, layout, causal, heads, dtype_name, seed, local_len=None,

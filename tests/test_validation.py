@@ -50,11 +50,36 @@ def _bad(kind):
         return (q, k, v), {"backend": "flash_attn"}, r"pip install 'striped_sp\[flash\]'|CUDA devices only"
     if kind == "scale":
         return (q, k, v), {"softmax_scale": -1.0}, "softmax_scale=-1.0 must be positive"
+    # packed documents and windows (2 ranks x 4 local tokens: a global row of 8)
+    if kind == "cu-2d":
+        return (q, k, v), {"cu_seqlens": torch.tensor([[0, 8]])}, r"cu_seqlens has shape \(1, 2\): it must be 1-D"
+    if kind == "cu-float":
+        return (q, k, v), {"cu_seqlens": torch.tensor([0.0, 8.0])}, "cu_seqlens has dtype torch.float32: it must be an integer"
+    if kind == "cu-start":
+        return (q, k, v), {"cu_seqlens": torch.tensor([1, 8])}, r"cu_seqlens=\[1, 8\] must start at 0"
+    if kind == "cu-order":
+        return (q, k, v), {"cu_seqlens": torch.tensor([0, 5, 5, 8])}, "strictly increasing: entry 2 is 5, after 5"
+    if kind == "cu-end":
+        return (q, k, v), {"cu_seqlens": torch.tensor([0, 4, 7])}, "cu_seqlens ends at 7 but the global row holds 8 tokens"
+    if kind == "cu-batch":
+        q, k, v = _qkv(b=2)
+        return (q, k, v), {"cu_seqlens": torch.tensor([0, 8])}, "cu_seqlens needs batch size 1.*got batch 2"
+    if kind == "cu-zigzag":
+        return (q, k, v), {"cu_seqlens": torch.tensor([0, 3, 8]), "layout": "zigzag"}, (
+            "document 0 has 3 tokens: under layout 'zigzag' every document must be a multiple of 2 \\* world_size = 4")
+    if kind == "window-left":
+        return (q, k, v), {"window_size": (-2, 0)}, "window_size left=-2 must be an int >= -1"
+    if kind == "window-right":
+        return (q, k, v), {"window_size": (4, 1)}, r"window_size=\(4, 1\): right must be 0 when causal=True"
+    if kind == "window-pair":
+        return (q, k, v), {"window_size": (4,)}, r"window_size=\(4,\) must be a pair"
     raise AssertionError(kind)
 
 
 KINDS = ["zigzag-odd", "heads", "dtype", "device", "batch", "head_dim", "kv-shapes", "seq", "ndim",
-         "layout", "backend", "backend-device", "backend-dtype", "flash-missing", "scale"]
+         "layout", "backend", "backend-device", "backend-dtype", "flash-missing", "scale",
+         "cu-2d", "cu-float", "cu-start", "cu-order", "cu-end", "cu-batch", "cu-zigzag",
+         "window-left", "window-right", "window-pair"]
 
 
 def check_raises(kind):
@@ -85,6 +110,24 @@ def check_mismatch_across_ranks(env_value):
         # agreeing ranks pass the check and run
         q, k, v = _qkv(s=4)
         assert torch.isfinite(striped_sp.ring_attention(q, k, v)).all()
+    finally:
+        del os.environ["STRIPED_SP_CHECK_RANKS"]
+
+
+def check_mask_mismatch_across_ranks(what):
+    """Ranks that disagree on cu_seqlens or window_size all raise with STRIPED_SP_CHECK_RANKS=1."""
+    import os
+
+    os.environ["STRIPED_SP_CHECK_RANKS"] = "1"
+    try:
+        rank = dist.get_rank()
+        q, k, v = _qkv(s=4)
+        bad = ({"cu_seqlens": torch.tensor([0, 3 + rank, 8])} if what == "cu_seqlens"
+               else {"window_size": (2 + rank, 0)})
+        with pytest.raises(ValueError, match="different arguments on the ranks.*cu_seqlens and window_size"):
+            striped_sp.ring_attention(q, k, v, **bad)
+        good = {"cu_seqlens": torch.tensor([0, 3, 8])} if what == "cu_seqlens" else {"window_size": (2, 0)}
+        assert torch.isfinite(striped_sp.ring_attention(q, k, v, **good)).all()
     finally:
         del os.environ["STRIPED_SP_CHECK_RANKS"]
 
@@ -124,6 +167,8 @@ def check_kernel_failure_leaves_ring_clean():
 CASES = [(kind, check_raises, (kind,)) for kind in KINDS] + [
     ("kernel-failure-settles", check_kernel_failure_leaves_ring_clean, ()),
     ("rank-mismatch-checked", check_mismatch_across_ranks, ("1",)),
+    ("cu-seqlens-mismatch-checked", check_mask_mismatch_across_ranks, ("cu_seqlens",)),
+    ("window-mismatch-checked", check_mask_mismatch_across_ranks, ("window_size",)),
     ("ring-still-works", check_ring_still_works, ()),
 ]
 _results = {}
