@@ -34,6 +34,34 @@ def _names(choices):
     return parse
 
 
+def _docs_spec(text: str) -> str:
+    from .bench.docs import parse_docs
+
+    try:
+        parse_docs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _window(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        val = -1
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"--window {text!r}: expected a left window >= 0 (0: none)")
+    return val
+
+
+def _masks(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--docs", type=_docs_spec, default=None, metavar="SPEC",
+                   help="packed documents: lognormal:median=1024,sigma=1.2 | long | fixed:L (seeded); "
+                        "zigzag pads every document to a multiple of 2N")
+    p.add_argument("--window", type=_window, default=0, metavar="W",
+                   help="sliding window: a query sees the W keys before it (window_size=(W, 0)); 0: none")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: the bench extra)")
@@ -62,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("--world-sizes", type=_ints, default=[2, 4, 8, 16, 32, 64])
     b.add_argument("--tokens-per-rank", type=int, default=4096)
+    _masks(b)
 
     s = modes.add_parser("sim", help="N ranks simulated on one device with the real kernels")
     _common(s)
@@ -80,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the single-device full causal run (efficiency left empty)")
     s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")
     s.add_argument("--plot-pass", default="fwd+bwd", choices=["forward", "backward", "fwd+bwd"])
+    _masks(s)
 
     r = modes.add_parser("run", help="real multi-process run with the peers")
     _common(r)
@@ -99,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time kernel, merge and ring waits inside our layouts, per rank")
     r.add_argument("--force-peers", action="store_true",
                    help="run torch_ring even on a torch version it is not pinned to")
+    _masks(r)
     return p
 
 
@@ -108,9 +139,30 @@ def _seq_lens(args, world_sizes, default_tpr):
     return [(n, t * n) for n in world_sizes for t in (args.tokens_per_rank or [default_tpr])]
 
 
+def _masked_balance(args) -> int:
+    from .bench.report import format_table, write_json
+    from .bench.work import masked_balance_records
+
+    recs = masked_balance_records(args.layouts, args.world_sizes, args.tokens_per_rank, args.docs, args.window)
+    print(f"work model: attention score entries per ring step, {args.tokens_per_rank} tokens per rank, "
+          f"documents {args.docs or 'one per row'}, window {args.window or 'none'};\n"
+          "critical path = sum over steps of the busiest rank; ideal = visible score entries of the "
+          "unpadded row / N\n(zigzag: every document padded to a multiple of 2N, Transformer Engine's rule)\n")
+    print(format_table(recs, [("layout", "layout"), ("world_size", "N"), ("documents", "documents"),
+                              ("padding_tokens", "padding"), ("critical_path_over_ideal", "critical/ideal")]))
+    if args.json:
+        write_json(args.json, recs)
+    if args.plot:
+        _plot_balance(args.plot, recs, masked=True)
+    return 0
+
+
 def _balance(args) -> int:
     from .bench.report import format_table, write_json
     from .bench.work import balance_records
+
+    if args.docs or args.window:
+        return _masked_balance(args)
 
     recs = balance_records(args.layouts, args.world_sizes, args.tokens_per_rank)
     rows = []
@@ -129,7 +181,7 @@ def _balance(args) -> int:
     return 0
 
 
-def _plot_balance(path, recs):
+def _plot_balance(path, recs, masked=False):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,8 +194,13 @@ def _plot_balance(path, recs):
         ls, mk = style.get(lay, ("-", "o"))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, marker=mk, label=lay)
     ns = sorted({r["world_size"] for r in recs})
-    ax.plot(ns, [(2 * n - 1) / n for n in ns], ":", color="black", linewidth=0.8, label="(2N-1)/N")
-    ax.set_title("work model: critical path over ideal (striped and zigzag overlap at 1.00)", fontsize=9)
+    if masked:
+        r0 = recs[0]
+        ax.set_title(f"work model: critical path / ideal, docs {r0['docs'] or 'one per row'}, "
+                     f"window {r0['window'] or 'none'}", fontsize=9)
+    else:
+        ax.plot(ns, [(2 * n - 1) / n for n in ns], ":", color="black", linewidth=0.8, label="(2N-1)/N")
+        ax.set_title("work model: critical path over ideal (striped and zigzag overlap at 1.00)", fontsize=9)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ring size N")
     ax.set_ylabel("critical path / ideal")
@@ -161,6 +218,8 @@ def _sim(args) -> int:
 
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
+    if args.docs or args.window:
+        return _masked_sim(args, device, dtype)
     points = _seq_lens(args, args.world_sizes, 4096)
     cfg = SimConfig(layouts=tuple(args.layouts), points=tuple(points), batch=args.batch, heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
@@ -191,6 +250,60 @@ def _sim(args) -> int:
         plot_speedup(args.plot, recs, "layout", f"sim ({device.type}, {args.plot_pass}): speedup over contiguous",
                      pass_name=args.plot_pass)
     return 0
+
+
+def _masked_sim(args, device, dtype) -> int:
+    from .bench.report import format_table, write_json
+    from .bench.sim import SimConfig
+    from .bench.sim_masked import simulate_masked
+
+    if args.seq_lens:
+        raise SystemExit("striped-sp bench sim: with --docs/--window give --tokens-per-rank, not --seq-lens")
+    tprs = args.tokens_per_rank or [4096]
+    cfg = SimConfig(layouts=tuple(args.layouts), world_sizes=tuple(args.world_sizes), heads=args.heads,
+                    kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
+                    backend=args.backend, reps=args.reps, link_gbps=args.link_gbps, reference=not args.no_reference,
+                    progress=not args.no_progress, threads=args.threads)
+    load0 = _load()
+    recs = simulate_masked(cfg, tprs, args.docs, args.window)
+    kvh = args.kv_heads or args.heads
+    print(f"sim: {device.type} ({_device_name(device)}), {dtype}, batch 1, {args.heads} heads / {kvh} kv heads x "
+          f"{args.head_dim}, documents {args.docs or 'one per row'}, window {args.window or 'none'}, "
+          f"link {args.link_gbps or 'inf'} GB/s; load average before/after {load0} / {_load()}\n"
+          + ("clock: CPU time of the one compute thread\n" if device.type == "cpu" and args.threads == 1
+             else "clock: wall time, device synchronised\n") +
+          "every (rank, step) timed (median of --reps); critical path = sum over steps of the slowest rank;\n"
+          "zigzag pads every document to a multiple of 2N; efficiency = (one device, whole row) / N / critical\n")
+    print(format_table(recs, [("layout", "layout"), ("world_size", "N"), ("tokens_per_rank", "tokens/rank"),
+                              ("documents", "docs"), ("padding_tokens", "padding"), ("pass", "pass"),
+                              ("critical_path_ms", "critical ms"), ("speedup_vs_contiguous", "vs contiguous"),
+                              ("speedup_vs_zigzag", "vs zigzag"), ("efficiency", "efficiency")]))
+    if args.json:
+        write_json(args.json, recs)
+    if args.plot:
+        _plot_masked_sim(args.plot, recs, args.plot_pass)
+    return 0
+
+
+def _plot_masked_sim(path, recs, pass_name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in recs if r["pass"] == pass_name]
+    labels = [f"{r['layout']}\nN={r['world_size']}, {r['tokens_per_rank']}/rank" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.6), dpi=90)
+    ax.bar(range(len(rows)), [r["speedup_vs_contiguous"] or 0 for r in rows],
+           color=[{"striped": "C0", "zigzag": "C1", "contiguous": "C2"}.get(r["layout"], "C3") for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set_ylabel("speedup over contiguous")
+    r0 = rows[0]
+    ax.set_title(f"sim ({pass_name}): docs {r0['docs'] or 'one per row'}, window {r0['window'] or 'none'}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _load() -> str:

@@ -10,8 +10,11 @@ whole sequence, ``S (S + 1) / 2``, spread evenly over ``N`` ranks.
 from __future__ import annotations
 
 from ..layouts import get_layout
+from ..masks import block_plan
+from .docs import workload
 
-__all__ = ["step_entries", "score_entries", "critical_path_over_ideal", "balance_records"]
+__all__ = ["step_entries", "masked_step_entries", "score_entries", "critical_path_over_ideal",
+           "balance_records", "masked_balance_records"]
 
 
 def step_entries(layout: str, world_size: int, local_len: int, causal: bool = True) -> list[list[int]]:
@@ -49,3 +52,30 @@ def balance_records(layouts, world_sizes, local_len: int) -> list[dict]:
         for n in world_sizes
         for lay in layouts
     ]
+
+
+def masked_step_entries(work) -> list[list[int]]:
+    """``entries[t][r]`` for a packed / windowed row (a :class:`~striped_sp.bench.docs.Workload`)."""
+    lay, n = get_layout(work.layout), work.world_size
+    return [
+        [sum(c.entries for c in block_plan(lay, work.mask, n, r, (r - t) % n)) for r in range(n)]
+        for t in range(n)
+    ]
+
+
+def masked_balance_records(layouts, world_sizes, tokens_per_rank: int, docs: str | None,
+                           window: int | None, seed: int = 0) -> list[dict]:
+    """JSON records with ``docs``, ``window``, ``padding_tokens`` and ``critical_path_over_ideal``
+    (ideal = visible score entries of the unpadded row / N)."""
+    records = []
+    for n in world_sizes:
+        for lay in layouts:
+            work = workload(lay, n, tokens_per_rank, docs, window, seed)
+            entries = masked_step_entries(work)
+            critical = sum(max(row) for row in entries)
+            records.append({
+                "layout": lay, "world_size": n, "tokens_per_rank": tokens_per_rank, "docs": docs,
+                "window": window or 0, "padding_tokens": work.padding_tokens,
+                "documents": len(work.mask.bounds) - 1, "critical_path_over_ideal": critical / work.ideal_entries,
+            })
+    return records

@@ -1,0 +1,122 @@
+"""N ranks simulated on one device for packed documents and sliding windows, with the real kernels.
+
+The masked counterpart of :mod:`.sim`: every layout gets its own view of one packed row
+(:func:`.docs.workload`; ``zigzag`` pads each document to a multiple of ``2N``), and each (rank,
+step) runs exactly what :class:`striped_sp.attention._RingAttention` runs there: the block plan's
+varlen calls (gather, ``kernel.forward_varlen``, the fp32 merge) and in backward
+``kernel.backward_varlen`` with the dQ / dK / dV accumulation.  Plans differ from rank to rank,
+so every (rank, step) is timed; a step lasts as long as its slowest rank (or the transfer, when a
+link bandwidth is given).  The single-device baseline runs the whole row as one varlen call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import _Accumulator, _add_rows, _rows
+from ..kernels import resolve_kernel
+from ..layouts import get_layout
+from ..masks import block_plan, make_mask
+from .common import clock_for, progress, time_call
+from .docs import workload
+from .sim import PASSES, SimConfig, _critical_path, _time_plans
+
+__all__ = ["simulate_masked"]
+
+
+class _MaskedInputs:
+    """Random local q, k, v, dout (batch 1) and persistent accumulators for one layout's row."""
+
+    def __init__(self, cfg: SimConfig, n: int, gen: torch.Generator):
+        kvh = cfg.kv_heads or cfg.heads
+
+        def rnd(heads):
+            return torch.randn((1, n, heads, cfg.head_dim), generator=gen, device=cfg.device, dtype=cfg.dtype)
+
+        self.q, self.k, self.v, self.dout = rnd(cfg.heads), rnd(kvh), rnd(kvh), rnd(cfg.heads)
+        self.out = rnd(cfg.heads)
+        self.lse = torch.full((1, cfg.heads, n), 8.0, device=cfg.device)  # finite: timing only
+        self.scale = cfg.head_dim ** -0.5
+        self.kernel = resolve_kernel(cfg.backend, cfg.device, cfg.dtype)
+        self.acc = _Accumulator(self.q, masked=True)
+        self.dq = torch.zeros(self.q.shape, dtype=torch.float32, device=cfg.device)
+        self.dk = torch.zeros(self.k.shape, dtype=torch.float32, device=cfg.device)
+        self.dv = torch.zeros_like(self.dk)
+
+    def forward_step(self, calls, first: bool) -> None:
+        for c in calls:
+            o, l = self.kernel.forward_varlen(_rows(self.q, c.q), _rows(self.k, c.kv), _rows(self.v, c.kv),
+                                              c.segments, self.scale)
+            self.acc.add(c.q, o, l)
+
+    def backward_step(self, calls) -> None:
+        for c in calls:
+            dq, dk, dv = self.kernel.backward_varlen(
+                _rows(self.dout, c.q), _rows(self.q, c.q), _rows(self.k, c.kv), _rows(self.v, c.kv),
+                _rows(self.out, c.q), _rows(self.lse, c.q, dim=2), c.segments, self.scale)
+            _add_rows(self.dq, c.q, dq)
+            _add_rows(self.dk, c.kv, dk)
+            _add_rows(self.dv, c.kv, dv)
+
+
+def _reference(cfg: SimConfig, work, gen, clock) -> dict:
+    """One device, the whole row: one varlen call per pass."""
+    seq = work.mask.seq_len
+    mask = make_mask(seq, 1, get_layout("contiguous"), list(work.mask.bounds),
+                     None if work.mask.left < 0 else (work.mask.left, 0), True)
+    calls = block_plan(get_layout("contiguous"), mask, 1, 0, 0)
+    inp = _MaskedInputs(cfg, seq, gen)
+    fwd = time_call(lambda: inp.forward_step(calls, True), cfg.device, cfg.reps, clock=clock)
+    bwd = time_call(lambda: inp.backward_step(calls), cfg.device, cfg.reps, clock=clock)
+    return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
+
+
+def simulate_masked(cfg: SimConfig, tokens_per_rank: list[int], docs: str | None, window: int | None,
+                    seed: int = 0) -> list[dict]:
+    """JSON records ``{"layout", "world_size", "seq_len", "tokens_per_rank", "docs", "window",
+    "padding_tokens", "pass", "critical_path_ms", "speedup_vs_contiguous", "speedup_vs_zigzag",
+    "efficiency"}`` for every (N, tokens per rank, pass, layout)."""
+    if cfg.device.type == "cpu" and cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    clock = clock_for(cfg.device, cfg.threads)
+    gen = torch.Generator(device=cfg.device).manual_seed(0)
+    points = [(n, t) for n in cfg.world_sizes for t in tokens_per_rank]
+    results = {}
+    for n_ranks, tpr in progress(points, total=len(points), desc="sim", enabled=cfg.progress):
+        ref = None
+        for lay in cfg.layouts:
+            work = workload(lay, n_ranks, tpr, docs, window, seed)
+            layout = get_layout(lay)
+            keys, plans = [], {}
+            for t in range(n_ranks):
+                row = []
+                for r in range(n_ranks):
+                    key = (lay, r, t)
+                    plans[key] = (block_plan(layout, work.mask, n_ranks, r, (r - t) % n_ranks), t == 0)
+                    row.append(key)
+                keys.append(row)
+            inputs = _MaskedInputs(cfg, work.local_len, gen)
+            times = _time_plans(cfg, plans, inputs, clock)
+            del inputs
+            results[(n_ranks, tpr, lay)] = (_critical_path(cfg, keys, times, work.local_len), work)
+            if cfg.reference and ref is None and lay != "zigzag":
+                ref = _reference(cfg, work, gen, clock)
+        results[(n_ranks, tpr, "_ref")] = ref
+    records = []
+    for n_ranks, tpr in points:
+        ref = results[(n_ranks, tpr, "_ref")]
+        for p in PASSES:
+            base = results.get((n_ranks, tpr, "contiguous"))
+            zig = results.get((n_ranks, tpr, "zigzag"))
+            for lay in cfg.layouts:
+                crit, work = results[(n_ranks, tpr, lay)]
+                c = crit[p]
+                records.append({
+                    "layout": lay, "world_size": n_ranks, "seq_len": n_ranks * tpr, "tokens_per_rank": tpr,
+                    "docs": docs, "window": window or 0, "padding_tokens": work.padding_tokens,
+                    "documents": len(work.mask.bounds) - 1, "pass": p, "critical_path_ms": c * 1e3,
+                    "speedup_vs_contiguous": base[0][p] / c if base else None,
+                    "speedup_vs_zigzag": zig[0][p] / c if zig else None,
+                    "efficiency": ref[p] / n_ranks / c if ref else None,
+                })
+    return records
