@@ -342,7 +342,8 @@ def _run(args) -> int:
                     batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                     dtype=args.dtype, device=args.device, backend=args.backend, warmup=args.warmup,
                     iters=args.iters, threads=args.threads, profile=args.profile, pin=not args.no_pin,
-                    progress=not args.no_progress, force_peers=args.force_peers)
+                    progress=not args.no_progress, force_peers=args.force_peers, docs=args.docs,
+                    window=args.window)
     load0 = _load()
     recs, notes, profile = run(cfg)
     import torch

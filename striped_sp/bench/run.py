@@ -33,6 +33,7 @@ from ..attention import ring_attention
 from ..kernels import Kernel, resolve_kernel
 from ..layouts import get_layout
 from .common import median, pick_dtype, progress, sync
+from .docs import workload
 from .peers import PEERS, PeerSkip
 
 __all__ = ["RunConfig", "run"]
@@ -59,6 +60,8 @@ class RunConfig:
     progress: bool = True
     force_peers: bool = False
     timeout_s: float = 900.0
+    docs: str | None = None  # packed documents (see bench.docs); zigzag pads each to a multiple of 2N
+    window: int = 0  # sliding window (left); 0: none
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,11 +166,24 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
 
             q, k, v, dout = rnd(cfg.heads).requires_grad_(), rnd(kvh).requires_grad_(), \
                 rnd(kvh).requires_grad_(), rnd(cfg.heads)
-            impls = {}
+            impls, inputs = {}, {}
             for lay in cfg.layouts:
-                impls[lay] = (lambda a, b, c, lay=lay: ring_attention(a, b, c, group, layout=lay,
-                                                                       backend=cfg.backend), lay)
+                mask_kw, inputs[lay] = {}, (q, k, v, dout)
+                if cfg.docs or cfg.window:
+                    work = workload(lay, n_ranks, n, cfg.docs, cfg.window)
+                    mask_kw = {"cu_seqlens": torch.tensor(work.mask.bounds) if cfg.docs else None,
+                               "window_size": (cfg.window, 0) if cfg.window else None}
+                    if work.local_len != n:  # zigzag's padded row
+                        m = work.local_len
+                        inputs[lay] = (rnd(cfg.heads, m).requires_grad_(), rnd(kvh, m).requires_grad_(),
+                                       rnd(kvh, m).requires_grad_(), rnd(cfg.heads, m))
+                        notes[(seq, lay)] = f"{work.padding_tokens} padding tokens"
+                impls[lay] = (lambda a, b, c, lay=lay, kw=mask_kw: ring_attention(
+                    a, b, c, group, layout=lay, backend=cfg.backend, **kw), lay)
             for peer in cfg.peers:
+                if cfg.docs or cfg.window:
+                    notes[(seq, peer)] = "skipped: the peers take no packed documents or windows"
+                    continue
                 try:
                     impls[peer] = PEERS[peer](group, {"force_peers": cfg.force_peers}, q, k, v)
                 except PeerSkip as e:
@@ -181,10 +197,10 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
             clock.t, clock.phase = {}, "fwd"
             t0 = time.perf_counter()
             try:
-                if cfg.profile and name in cfg.layouts:
+                if cfg.profile and name in cfg.layouts and not (cfg.docs or cfg.window):
                     out = _profiled_step(q, k, v, dout, group, lay, kernel, clock)
                 else:
-                    out = _fwd_bwd(fn, q, k, v, dout)
+                    out = _fwd_bwd(fn, *inputs.get(name, (q, k, v, dout)))
                 sync(device)
             except Exception as e:  # noqa: BLE001 - a peer failing here is a skip, not a crash
                 if name in cfg.layouts:
@@ -214,7 +230,8 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                     continue
                 m = median(ts)
                 records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": m * 1e3,
-                                "speedup_vs_contiguous": base / m if base else None})
+                                "speedup_vs_contiguous": base / m if base else None,
+                                "docs": cfg.docs, "window": cfg.window})
             for name in cfg.peers:
                 if name not in samples or not samples[name]:
                     records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": None,
@@ -260,6 +277,8 @@ def run(cfg: RunConfig):
         raise ValueError(f"world_size={cfg.world_size} needs that many GPUs, found {torch.cuda.device_count()}")
     if "contiguous" not in cfg.layouts:
         raise ValueError("run needs the 'contiguous' layout: speedups are relative to it")
+    if cfg.docs and cfg.batch != 1:
+        raise ValueError(f"--docs packs one row: batch must be 1, got {cfg.batch}")
     for peer in cfg.peers:
         if peer not in PEERS:
             raise ValueError(f"unknown peer {peer!r}: expected some of {sorted(PEERS)}")

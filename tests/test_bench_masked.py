@@ -1,0 +1,85 @@
+"""The benchmark on packed documents and windows: document mixes, the work model against a
+brute-force count on the global mask, and smoke tests of balance / sim / run (speed never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reference import reference_mask
+from striped_sp.bench.docs import packed_row, parse_docs, visible_entries, workload
+from striped_sp.bench.work import masked_step_entries
+from striped_sp.cli import main
+from striped_sp.layouts import LAYOUTS
+
+
+@pytest.mark.parametrize("spec", ["lognormal:median=64,sigma=1.2", "long", "fixed:7"])
+def test_packed_rows_are_seeded_and_cover_the_row(spec):
+    mix = parse_docs(spec)
+    a, b = packed_row(mix, 1000, row=2, seed=3), packed_row(mix, 1000, row=2, seed=3)
+    assert a == b and a[0] == 0 and a[-1] == 1000
+    assert all(y > x for x, y in zip(a[:-1], a[1:]))
+    if spec == "fixed:7":
+        assert all(y - x <= 7 for x, y in zip(a[:-1], a[1:]))
+
+
+@pytest.mark.parametrize("bad", ["lognormal:median=-1", "lognormal:mu=3", "fixed:0", "fixed:x", "uniform"])
+def test_bad_docs_spec(bad):
+    with pytest.raises(ValueError, match="--docs"):
+        parse_docs(bad)
+
+
+def _brute_force(work):
+    """entries[t][r] from the global mask of the layout's (possibly padded) row."""
+    lay, n, spec = LAYOUTS[work.layout], work.world_size, work.mask
+    visible = reference_mask(spec.seq_len, True, spec.bounds, None if spec.left < 0 else (spec.left, 0))
+    pos = [lay.positions(spec.seq_len, n, r, spec.bounds) for r in range(n)]
+    return [[int(visible[pos[r]][:, pos[(r - t) % n]].sum()) for r in range(n)] for t in range(n)]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("docs, window", [("lognormal:median=20,sigma=1.0", None), (None, 9),
+                                          ("fixed:5", 3), ("long", 30)])
+def test_masked_work_model_matches_brute_force(layout, docs, window):
+    for n in (1, 3, 4):
+        work = workload(layout, n, 24, docs, window, seed=n)
+        assert masked_step_entries(work) == _brute_force(work)
+        if layout != "zigzag" or docs is None:
+            assert work.padding_tokens == 0
+            assert visible_entries(work.mask) == int(reference_mask(
+                work.mask.seq_len, True, work.mask.bounds, (window, 0) if window else None).sum())
+
+
+def test_masked_balance_and_sim_smoke(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    assert main(["bench", "balance", "--world-sizes", "4", "--tokens-per-rank", "64", "--docs",
+                 "lognormal:median=32,sigma=1.2", "--window", "16", "--json", str(path),
+                 "--plot", str(tmp_path / "b.png")]) == 0
+    recs = json.loads(path.read_text())
+    assert {r["layout"] for r in recs} == {"striped", "zigzag", "contiguous"}
+    for r in recs:
+        assert r["docs"] == "lognormal:median=32,sigma=1.2" and r["window"] == 16
+        assert r["critical_path_over_ideal"] >= 1.0 - 1e-9
+    assert next(r for r in recs if r["layout"] == "zigzag")["padding_tokens"] > 0
+    assert "critical/ideal" in capsys.readouterr().out
+    assert main(["bench", "sim", "--world-sizes", "2", "--tokens-per-rank", "40", "--heads", "2",
+                 "--head-dim", "8", "--reps", "1", "--docs", "fixed:9", "--window", "5", "--device", "cpu",
+                 "--no-progress", "--json", str(path), "--plot", str(tmp_path / "s.png")]) == 0
+    recs = json.loads(path.read_text())
+    assert len(recs) == 3 * 3
+    for r in recs:
+        assert r["critical_path_ms"] > 0 and r["efficiency"] > 0 and r["speedup_vs_zigzag"] > 0
+        assert r["docs"] == "fixed:9" and r["window"] == 5
+    assert "vs zigzag" in capsys.readouterr().out
+
+
+def test_masked_run_smoke(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert main(["bench", "run", "--world-size", "2", "--tokens-per-rank", "30", "--heads", "2",
+                 "--head-dim", "8", "--warmup", "0", "--iters", "1", "--docs", "fixed:7", "--device", "cpu",
+                 "--threads", "1", "--no-progress", "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    ours = [r for r in recs if r["impl"] in LAYOUTS]
+    assert len(ours) == 3 and all(r["median_ms"] > 0 and r["docs"] == "fixed:7" for r in ours)
+    assert "padding tokens" in capsys.readouterr().out  # zigzag pads documents of 7 to 8
