@@ -1,0 +1,183 @@
+"""Varlen calls (many band segments) on every CPU-runnable kernel path, against a float64
+reference written from flash-attn's documented varlen semantics; the flash-attn varlen adapter's
+plumbing through a stand-in module; PyTorch's CUDA varlen op on meta tensors (arity and shapes)."""
+
+import random
+import sys
+import types
+
+import pytest
+import torch
+
+from striped_sp import varlen
+from striped_sp.kernels import FlashAttnKernel, KERNELS, MathKernel
+from striped_sp.masks import Segments
+
+SCALE = 0.3
+
+
+def _fa_visible(lq, lk, wl, wr, causal):
+    """flash-attn varlen: windows are bottom-right aligned; causal means a right window of 0."""
+    x = torch.arange(lq).unsqueeze(1)
+    y = torch.arange(lk).unsqueeze(0)
+    sh = lk - lq
+    vis = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        wr = 0
+    if wl >= 0:
+        vis &= y >= x + sh - wl
+    if wr >= 0:
+        vis &= y <= x + sh + wr
+    return vis
+
+
+def _random_segments(rng, count, long=False):
+    lq, lk, wl, wr = [], [], [], []
+    for _ in range(count):
+        kind = rng.choice(["causal", "full", "band", "rect"])
+        a = rng.randint(1, 300 if long else 12)
+        if kind == "causal":
+            lq.append(a), lk.append(a), wl.append(-1), wr.append(0)
+        elif kind == "full":
+            lq.append(a), lk.append(rng.randint(1, 300 if long else 12)), wl.append(-1), wr.append(-1)
+        elif kind == "band":  # a causal band whose every row sees a key
+            w = rng.randint(0, a)
+            lq.append(a), lk.append(a), wl.append(w), wr.append(0)
+        else:  # rows that see a window of keys ending at their own column
+            b = rng.randint(a, a + 20)
+            lq.append(a), lk.append(b), wl.append(rng.randint(0, b)), wr.append(rng.choice([0, -1]))
+    cu = lambda xs: torch.tensor([0] + list(torch.tensor(xs).cumsum(0)))  # noqa: E731
+    return Segments(cu(lq), cu(lk), torch.tensor(wl), torch.tensor(wr))
+
+
+def _reference(q, k, v, segs):
+    """float64 out, lse of each segment on its own (flash-attn semantics), rows concatenated."""
+    outs, lses = [], []
+    g = q.size(2) // k.size(2)
+    for t in range(len(segs)):
+        qs = q[:, segs.cu_q[t]:segs.cu_q[t + 1]].double()
+        ks = k[:, segs.cu_k[t]:segs.cu_k[t + 1]].double().repeat_interleave(g, 2)
+        vs = v[:, segs.cu_k[t]:segs.cu_k[t + 1]].double().repeat_interleave(g, 2)
+        wl, wr = int(segs.wl[t]), int(segs.wr[t])
+        vis = _fa_visible(qs.size(1), ks.size(1), wl, wr, wl < 0 and wr == 0)
+        s = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * SCALE
+        s = s.masked_fill(~vis, float("-inf"))
+        lses.append(torch.logsumexp(s, -1))
+        outs.append(torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vs))
+    return torch.cat(outs, 1), torch.cat(lses, 2)
+
+
+def _err(x, ref):
+    return ((x.double() - ref.double()).abs().max() / max(1.0, ref.double().abs().max().item())).item()
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+@pytest.mark.parametrize("long", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_varlen_forward_backward(backend, long, heads):
+    rng = random.Random(hash((backend, long, heads)) % 1000)
+    segs = _random_segments(rng, 12 if long else 60, long)
+    nq, nk = int(segs.cu_q[-1]), int(segs.cu_k[-1])
+    gen = torch.Generator().manual_seed(rng.randint(0, 10**6))
+    q = torch.randn(2, nq, heads[0], 16, generator=gen)
+    k = torch.randn(2, nk, heads[1], 16, generator=gen)
+    v = torch.randn(2, nk, heads[1], 16, generator=gen)
+    dout = torch.randn(2, nq, heads[0], 16, generator=gen)
+    kernel = KERNELS[backend]
+    out, lse = kernel.forward_varlen(q, k, v, segs, SCALE)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _reference(qr, kr, vr, segs)
+    (ref * dout.double()).sum().backward()
+    assert out.shape == q.shape and lse.shape == (2, heads[0], nq) and lse.dtype == torch.float32
+    assert _err(out, ref) < 1e-5 and _err(lse, ref_lse) < 1e-5
+    dq, dk, dv = kernel.backward_varlen(dout, q, k, v, out, lse, segs, SCALE)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert _err(got, want) < 1e-5
+    if long:  # the long segments went through direct calls and tiles, the short ones through packs
+        plan = varlen.schedule(segs)
+        assert plan.direct and plan.packs
+
+
+def _install_fake_varlen_flash_attn(monkeypatch, calls):
+    """flash_attn.flash_attn_interface with the documented varlen signatures (2.6+), computed
+    per segment from the documented semantics: checks our plumbing, not flash-attn."""
+    math = MathKernel()
+
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                   alibi_slopes=None, return_softmax=False, block_table=None):
+        assert cu_seqlens_q.dtype == torch.int32 and q.dim() == 3
+        calls.append((window_size_left, window_size_right, causal))
+        outs, lses = [], []
+        for t in range(cu_seqlens_q.numel() - 1):
+            a, b = int(cu_seqlens_q[t]), int(cu_seqlens_q[t + 1])
+            c, d = int(cu_seqlens_k[t]), int(cu_seqlens_k[t + 1])
+            assert b - a <= max_seqlen_q and d - c <= max_seqlen_k
+            vis = _fa_visible(b - a, d - c, window_size_left, window_size_right, causal)
+            o, l = math.forward_masked(q[None, a:b], k[None, c:d], v[None, c:d], vis[None, None], softmax_scale)
+            outs.append(o[0])
+            lses.append(l[0])
+        return torch.cat(outs), torch.cat(lses, 1), None, None
+
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                    window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                                    rng_state=None):
+        for t in range(cu_seqlens_q.numel() - 1):
+            a, b = int(cu_seqlens_q[t]), int(cu_seqlens_q[t + 1])
+            c, d = int(cu_seqlens_k[t]), int(cu_seqlens_k[t + 1])
+            vis = _fa_visible(b - a, d - c, window_size_left, window_size_right, causal)
+            g = math.backward_masked(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b],
+                                     softmax_lse[None, :, a:b], vis[None, None], softmax_scale)
+            dq[a:b], dk[c:d], dv[c:d] = g[0][0], g[1][0], g[2][0]
+
+    mod = types.ModuleType("flash_attn.flash_attn_interface")
+    mod._flash_attn_varlen_forward = _flash_attn_varlen_forward
+    mod._flash_attn_varlen_backward = _flash_attn_varlen_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", mod)
+
+
+def test_flash_attn_varlen_adapter_plumbing(monkeypatch):
+    calls = []
+    _install_fake_varlen_flash_attn(monkeypatch, calls)
+    rng = random.Random(5)
+    segs = _random_segments(rng, 40)
+    nq, nk = int(segs.cu_q[-1]), int(segs.cu_k[-1])
+    q, dout = torch.randn(2, nq, 4, 8), torch.randn(2, nq, 4, 8)
+    k, v = torch.randn(2, nk, 2, 8), torch.randn(2, nk, 2, 8)
+    kernel = FlashAttnKernel()
+    out, lse = kernel.forward_varlen(q, k, v, segs, SCALE)
+    windows = {(int(a), int(b)) for a, b in zip(segs.wl, segs.wr)}
+    assert len(calls) == len(windows)  # one native call per window class
+    assert all(causal == (wl < 0 and wr == 0) for wl, wr, causal in calls)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _reference(qr, kr, vr, segs)
+    (ref * dout.double()).sum().backward()
+    assert _err(out, ref) < 1e-5 and _err(lse, ref_lse) < 1e-5
+    dq, dk, dv = kernel.backward_varlen(dout, q, k, v, out, lse, segs, SCALE)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert _err(got, want) < 1e-5
+
+
+def test_torch_cuda_varlen_path_on_meta(monkeypatch):
+    """PyTorch's CUDA flash varlen op (and the memory-efficient op with a mask) on meta tensors:
+    argument arity and output shapes of the path a GPU takes (values need a GPU)."""
+    kernel = KERNELS["torch"]
+    monkeypatch.setattr(type(kernel), "_native_varlen", lambda self, q: True)
+    segs = _random_segments(random.Random(2), 10)
+    nq, nk = int(segs.cu_q[-1]), int(segs.cu_k[-1])
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, dout = torch.empty(2, nq, 8, 64, **meta), torch.empty(2, nq, 8, 64, **meta)
+    k, v = torch.empty(2, nk, 2, 64, **meta), torch.empty(2, nk, 2, 64, **meta)
+    out, lse = kernel.forward_varlen(q, k, v, segs, SCALE)
+    assert out.shape == q.shape and lse.shape == (2, 8, nq) and lse.dtype == torch.float32
+    dq, dk, dv = kernel.backward_varlen(dout, q, k, v, out, lse, segs, SCALE)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    mask = torch.ones(3, 1, 20, 24, dtype=torch.bool, device="meta")
+    qm, km = torch.empty(3, 20, 8, 64, **meta), torch.empty(3, 24, 2, 64, **meta)
+    o, l = kernel.forward_masked(qm, km, km, mask, SCALE)
+    assert o.shape == qm.shape and l.shape == (3, 8, 20)
+    g = kernel.backward_masked(qm, qm, km, km, o, l, mask, SCALE)
+    assert g[0].shape == qm.shape and g[1].shape == km.shape
