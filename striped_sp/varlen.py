@@ -29,6 +29,8 @@ TILE = 128
 MIN_CLASS = 8
 #: a full or causal segment with at least this many score entries is called directly
 DIRECT_ENTRIES = TILE * TILE
+#: items of one shape and band, at least this many and this tall, share one broadcast mask
+UNIFORM_COUNT, UNIFORM_ROWS = 4, 32
 
 
 @dataclasses.dataclass
@@ -37,7 +39,7 @@ class _Pack:
 
     q_index: torch.Tensor  # [P * Cq] int64
     k_index: torch.Tensor  # [P * Ck] int64
-    mask: torch.Tensor  # [P, 1, Cq, Ck] bool
+    mask: torch.Tensor  # [P, 1, Cq, Ck] bool, or [1, 1, Cq, Ck] shared by every pack
     packs: int
     cq: int
     ck: int
@@ -111,6 +113,34 @@ def _pack_class(q0, lq, k0, lk, lo, hi, nq: int, nk: int, cls: int) -> _Pack:
     return _Pack(q_index, k_index, mask.unsqueeze(1), npacks, cq, ck)
 
 
+def _uniform_class(q0, k0, lq: int, lk: int, lo: int, hi: int) -> _Pack:
+    """Items of one shape and band: one item per pack, no padding, one shared mask."""
+    from .masks import _ranges
+
+    count = q0.numel()
+    d = torch.arange(lk).unsqueeze(0) - torch.arange(lq).unsqueeze(1)
+    mask = ((d >= lo) & (d <= hi)).view(1, 1, lq, lk)
+    return _Pack(_ranges(q0, torch.full((count,), lq)), _ranges(k0, torch.full((count,), lk)), mask, count, lq, lk)
+
+
+def _split_uniform(items):
+    """Pull the repeated tiles of long bands (one shape, one band) out of ``items``:
+    returns the uniform classes and the remaining items."""
+    q0, lq, k0, lk, lo, hi = items
+    lo_c = torch.maximum(lo, -lq)  # equal masks, equal signatures, also when unbounded
+    hi_c = torch.minimum(hi, lk)
+    sig = torch.stack([lq, lk, lo_c, hi_c], 1)
+    uniq, inverse, counts = torch.unique(sig, dim=0, return_inverse=True, return_counts=True)
+    chosen = (counts >= UNIFORM_COUNT) & (uniq[:, 0] >= UNIFORM_ROWS)
+    classes = []
+    for u in chosen.nonzero().flatten().tolist():
+        sel = inverse == u
+        a, b, c, d = uniq[u].tolist()
+        classes.append(_uniform_class(q0[sel], k0[sel], a, b, c, d))
+    rest = ~chosen[inverse]
+    return classes, tuple(t[rest] for t in items)
+
+
 def schedule(segs: Segments) -> _Schedule:
     """How ``segs`` is covered by direct calls and packs (cached on ``segs``)."""
     cached = getattr(segs, "_schedule", None)
@@ -130,7 +160,7 @@ def schedule(segs: Segments) -> _Schedule:
     rest = ~direct
     items = _tiles(q0[rest], lq[rest], k0[rest], lk[rest], lo[rest], hi[rest])
     nq, nk = int(segs.cu_q[-1]), int(segs.cu_k[-1])
-    packs = []
+    packs, items = _split_uniform(items) if items[1].numel() else ([], items)
     if items[1].numel():
         size = torch.maximum(items[1], torch.clamp(items[3], max=TILE))
         cls = torch.clamp(2 ** torch.ceil(torch.log2(size.double())).long(), min=MIN_CLASS)
@@ -154,7 +184,7 @@ def _gather(x_ext: torch.Tensor, index: torch.Tensor, packs: int, width: int) ->
 
 
 def _batched_mask(p: _Pack, b: int) -> torch.Tensor:
-    return p.mask if b == 1 else p.mask.unsqueeze(0).expand(b, *p.mask.shape).reshape(b * p.packs, 1, p.cq, p.ck)
+    return p.mask if b == 1 or p.mask.size(0) == 1 else p.mask.unsqueeze(0).expand(b, *p.mask.shape).reshape(b * p.packs, 1, p.cq, p.ck)
 
 
 def varlen_forward(kernel, q, k, v, segs: Segments, scale: float):

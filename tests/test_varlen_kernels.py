@@ -181,3 +181,24 @@ def test_torch_cuda_varlen_path_on_meta(monkeypatch):
     assert o.shape == qm.shape and l.shape == (3, 8, 20)
     g = kernel.backward_masked(qm, qm, km, km, o, l, mask, SCALE)
     assert g[0].shape == qm.shape and g[1].shape == km.shape
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+def test_long_bands_share_one_mask(backend):
+    """A long windowed segment is cut into tiles of one shape and band: they run as one batched
+    call with a single broadcast mask, and the result is still exact."""
+    segs = Segments(torch.tensor([0, 1000, 1600]), torch.tensor([0, 1000, 1600]), torch.tensor([100, 37]),
+                    torch.tensor([0, 0]))
+    plan = varlen.schedule(segs)
+    assert any(p.mask.size(0) == 1 and p.packs >= 4 for p in plan.packs)
+    gen = torch.Generator().manual_seed(11)
+    q, dout = torch.randn(1, 1600, 2, 8, generator=gen), torch.randn(1, 1600, 2, 8, generator=gen)
+    k, v = torch.randn(1, 1600, 1, 8, generator=gen), torch.randn(1, 1600, 1, 8, generator=gen)
+    kernel = KERNELS[backend]
+    out, lse = kernel.forward_varlen(q, k, v, segs, SCALE)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _reference(qr, kr, vr, segs)
+    (ref * dout.double()).sum().backward()
+    assert _err(out, ref) < 1e-5 and _err(lse, ref_lse) < 1e-5
+    for got, want in zip(kernel.backward_varlen(dout, q, k, v, out, lse, segs, SCALE), (qr.grad, kr.grad, vr.grad)):
+        assert _err(got, want) < 1e-5
