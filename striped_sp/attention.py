@@ -39,20 +39,6 @@ def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
     torch.logaddexp(lse, block_lse, out=lse)
 
 
-def _rows(x: torch.Tensor, index, dim: int = 1) -> torch.Tensor:
-    """Rows ``index`` (a slice or an int64 tensor) of ``x`` along ``dim``."""
-    if isinstance(index, slice):
-        return x[(slice(None),) * dim + (index,)]
-    return x.index_select(dim, index.to(x.device))
-
-
-def _add_rows(acc: torch.Tensor, index, value: torch.Tensor) -> None:
-    if isinstance(index, slice):
-        acc[:, index] += value
-    else:
-        acc.index_add_(1, index.to(acc.device), value.to(acc.dtype))
-
-
 class _Accumulator:
     """fp32 running output ``[b, s, h, d]`` and log-sum-exp ``[b, h, s]`` of the local queries."""
 
@@ -61,22 +47,11 @@ class _Accumulator:
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
         if masked:
-            # Under a mask a call may cover only some rows: start empty and merge with logaddexp.
+            # Under a mask the varlen calls merge rows straight into these (logaddexp merge).
             self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             self.lse = torch.full((q.size(0), q.size(2), q.size(1)), float("-inf"), device=q.device)
-        self.masked = masked
 
-    def add(self, q_slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-        if self.masked:
-            if isinstance(q_slice, slice):
-                merge_block_safe(self.out[:, q_slice], self.lse[:, :, q_slice], block_out, block_lse)
-                return
-            idx = q_slice.to(self.out.device)
-            out, lse = self.out.index_select(1, idx), self.lse.index_select(2, idx)
-            merge_block_safe(out, lse, block_out, block_lse)
-            self.out.index_copy_(1, idx, out)
-            self.lse.index_copy_(2, idx, lse)
-            return
+    def add(self, q_slice: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
         if self.out is None:
             # The first call is the diagonal block (source == rank), which every layout runs
             # over all local queries; starting from it avoids -inf arithmetic.
@@ -122,11 +97,9 @@ class _RingAttention(torch.autograd.Function):
                         block_out, block_lse = kernel.forward(
                             q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv], call.causal, scale
                         )
+                        acc.add(call.q, block_out, block_lse)
                     else:
-                        block_out, block_lse = kernel.forward_varlen(
-                            _rows(q, call.q), _rows(k_cur, call.kv), _rows(v_cur, call.kv), call.segments, scale
-                        )
-                    acc.add(call.q, block_out, block_lse)
+                        kernel.forward_varlen(q, k_cur, v_cur, call.segments, scale, acc.out, acc.lse)
             if transfer is not None:
                 k_cur, v_cur = transfer.wait()
         out = acc.out.to(q.dtype)
@@ -148,18 +121,18 @@ class _RingAttention(torch.autograd.Function):
             kv_transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
             block_grads = []
             with _settle_on_error(kv_transfer, dkv_transfer):
-                for call in plans[step]:
-                    if masked:
-                        dq_b, dk_b, dv_b = kernel.backward_varlen(
-                            _rows(dout, call.q), _rows(q, call.q), _rows(k_cur, call.kv), _rows(v_cur, call.kv),
-                            _rows(out, call.q), _rows(lse, call.q, dim=2), call.segments, scale,
-                        )
-                    else:
-                        dq_b, dk_b, dv_b = kernel.backward(
-                            dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
-                            out[:, call.q], lse[:, :, call.q], call.causal, scale,
-                        )
-                    _add_rows(dq, call.q, dq_b)
+                if masked and plans[step]:
+                    dk_b = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                    dv_b = torch.zeros_like(dk_b)
+                    for call in plans[step]:
+                        kernel.backward_varlen(dout, q, k_cur, v_cur, out, lse, call.segments, scale, dq, dk_b, dv_b)
+                    block_grads.append((slice(None), dk_b, dv_b))
+                for call in [] if masked else plans[step]:
+                    dq_b, dk_b, dv_b = kernel.backward(
+                        dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
+                        out[:, call.q], lse[:, :, call.q], call.causal, scale,
+                    )
+                    dq[:, call.q] += dq_b
                     block_grads.append((call.kv, dk_b, dv_b))
             # The dK/dV accumulator of this block arrives while the kernels above ran.
             if dkv_transfer is None:
@@ -167,9 +140,9 @@ class _RingAttention(torch.autograd.Function):
                 dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             else:
                 dk_acc, dv_acc = dkv_transfer.wait()
-            for kv_index, dk_b, dv_b in block_grads:
-                _add_rows(dk_acc, kv_index, dk_b)
-                _add_rows(dv_acc, kv_index, dv_b)
+            for kv_slice, dk_b, dv_b in block_grads:
+                dk_acc[:, kv_slice] += dk_b
+                dv_acc[:, kv_slice] += dv_b
             if n > 1:
                 dkv_transfer = ring.shift([dk_acc, dv_acc])
             if kv_transfer is not None:

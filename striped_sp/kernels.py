@@ -14,10 +14,12 @@ A causal call is always square (``seq_q == seq_k``), with the diagonal kept.
 
 Packed documents and sliding windows add two entry points (:mod:`striped_sp.varlen`):
 
-``forward_varlen(q, k, v, segments, scale) -> (out, lse)`` / ``backward_varlen(dout, q, k, v, out, lse, segments, scale)``
-    many band segments on packed rows (:class:`striped_sp.masks.Segments`).  Kernels with a
-    native varlen function (flash-attn, PyTorch's CUDA flash op) run it once per window class;
-    the others cover the segments with direct calls and batched masked calls:
+``forward_varlen(q, k, v, segments, scale, acc_out, acc_lse)`` / ``backward_varlen(dout, q, k, v, out, lse, segments, scale, dq, dk, dv)``
+    many band segments (:class:`striped_sp.masks.Segments`) of the whole local tensors, merged
+    into float32 accumulators ``acc_out`` ``[b, s, h, d]`` / ``acc_lse`` ``[b, h, s]`` (forward)
+    or added into float32 ``dq`` / ``dk`` / ``dv`` (backward).  Kernels with a native varlen
+    function (flash-attn, PyTorch's CUDA flash op) run it once per window class; the others cover
+    the segments with direct calls and batched masked calls (:mod:`striped_sp.schedule`):
 ``forward_masked(q, k, v, mask, scale)`` / ``backward_masked(dout, q, k, v, out, lse, mask, scale)``
     ``mask``: bool ``[batch or 1, 1, seq_q, seq_k]``, True = visible; every row sees a key.
 """
@@ -71,15 +73,15 @@ class Kernel:
     def backward_masked(self, dout, q, k, v, out, lse, mask, scale: float):
         raise NotImplementedError(f"backend {self.name!r} has no masked attention call")
 
-    def forward_varlen(self, q, k, v, segments, scale: float):
+    def forward_varlen(self, q, k, v, segments, scale: float, acc_out, acc_lse) -> None:
         from .varlen import varlen_forward
 
-        return varlen_forward(self, q, k, v, segments, scale)
+        varlen_forward(self, q, k, v, segments, scale, acc_out, acc_lse)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale: float):
+    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale: float, dq, dk, dv) -> None:
         from .varlen import varlen_backward
 
-        return varlen_backward(self, dout, q, k, v, out, lse, segments, scale)
+        varlen_backward(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
@@ -280,9 +282,9 @@ class TorchKernel(Kernel):
     def _native_varlen(self, q) -> bool:
         return q.device.type == "cuda" and self.cuda_variant is None and self._cuda_op(q) == "flash"
 
-    def forward_varlen(self, q, k, v, segments, scale):
+    def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
         if not self._native_varlen(q):
-            return super().forward_varlen(q, k, v, segments, scale)
+            return super().forward_varlen(q, k, v, segments, scale, acc_out, acc_lse)
         from .varlen import native_varlen_forward
 
         h = q.size(2)
@@ -293,11 +295,11 @@ class TorchKernel(Kernel):
                 0.0, wl < 0 and wr == 0, False, scale=scale, window_size_left=wl, window_size_right=wr)
             return res[0], res[1]
 
-        return native_varlen_forward(call, q, k, v, segments)
+        native_varlen_forward(call, q, k, v, segments, acc_out, acc_lse)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale):
+    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
         if not self._native_varlen(q):
-            return super().backward_varlen(dout, q, k, v, out, lse, segments, scale)
+            return super().backward_varlen(dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
         from .varlen import native_varlen_backward
 
         h, kvh = q.size(2), k.size(2)
@@ -310,7 +312,7 @@ class TorchKernel(Kernel):
                 window_size_left=wl, window_size_right=wr)
             return dq, _group_sum(dk.unsqueeze(0), kvh)[0], _group_sum(dv.unsqueeze(0), kvh)[0]
 
-        return native_varlen_backward(call, dout, q, k, v, out, lse, segments)
+        native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
 
 
 def _call_with_supported_kwargs(fn: Callable, **kwargs):
@@ -371,7 +373,7 @@ class FlashAttnKernel(Kernel):
         )
         return dq, dk, dv
 
-    def forward_varlen(self, q, k, v, segments, scale):
+    def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
         from .varlen import native_varlen_forward
 
         mod = self._module()
@@ -386,9 +388,9 @@ class FlashAttnKernel(Kernel):
             # 2.6+: (out, lse [h, total_q], S_dmask, rng_state); earlier: lse at index 5
             return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
 
-        return native_varlen_forward(call, q, k, v, segments)
+        native_varlen_forward(call, q, k, v, segments, acc_out, acc_lse)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale):
+    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
         from .varlen import native_varlen_backward
 
         mod = self._module()
@@ -404,7 +406,7 @@ class FlashAttnKernel(Kernel):
             )
             return dq, dk, dv
 
-        return native_varlen_backward(call, dout, q, k, v, out, lse, segments)
+        native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
 
 
 KERNELS: dict[str, Kernel] = {

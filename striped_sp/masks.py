@@ -120,16 +120,27 @@ def make_mask(seq_len, world_size, layout, cu_seqlens=None, window_size=None, ca
 
 @dataclasses.dataclass
 class Segments:
-    """The segments of one varlen call, on packed rows (the flash-attn varlen convention).
+    """The segments of one varlen call (the flash-attn varlen convention).
 
-    Segment ``t`` has queries ``cu_q[t]:cu_q[t+1]`` and keys ``cu_k[t]:cu_k[t+1]`` of the packed
-    (gathered) tensors; query ``x`` sees key ``y`` iff ``x + sh - wl <= y <= x + sh + wr`` with
-    ``sh = lk - lq`` (bottom-right aligned; ``-1`` = unbounded).  int64 CPU tensors."""
+    Segment ``t`` has ``lq = cu_q[t+1] - cu_q[t]`` queries starting at local row ``q_start[t]``
+    and ``lk = cu_k[t+1] - cu_k[t]`` keys starting at local row ``k_start[t]`` (``cu_q`` / ``cu_k``
+    are the offsets of the segments once packed back to back); query ``x`` sees key ``y`` iff
+    ``x + sh - wl <= y <= x + sh + wr`` with ``sh = lk - lq`` (bottom-right aligned; ``-1`` =
+    unbounded).  Query rows of different segments are distinct.  int64 CPU tensors; the starts
+    default to the packed offsets."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     wl: torch.Tensor
     wr: torch.Tensor
+    q_start: torch.Tensor | None = None
+    k_start: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.q_start is None:
+            self.q_start = self.cu_q[:-1]
+        if self.k_start is None:
+            self.k_start = self.cu_k[:-1]
 
     def __len__(self) -> int:
         return self.wl.numel()
@@ -276,7 +287,7 @@ def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int) 
         seg_lq, seg_lk = lq[sel], lk[sel]
         zero = torch.zeros(1, dtype=torch.int64)
         segs = Segments(torch.cat([zero, torch.cumsum(seg_lq, 0)]), torch.cat([zero, torch.cumsum(seg_lk, 0)]),
-                        wl[sel], wr[sel])
+                        wl[sel], wr[sel], q_start[sel], k_start[sel])
         calls.append(SegmentCall(_as_index(_ranges(q_start[sel], seg_lq)), _as_index(_ranges(k_start[sel], seg_lk)),
                                  segs, segs.entries()))
     return calls

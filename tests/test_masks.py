@@ -92,8 +92,8 @@ def test_packed_schedule_bounds_the_number_of_kernel_calls():
     for source in range(n):
         for call in block_plan(LAYOUTS["striped"], spec, n, 3, source):
             plan = schedule(call.segments)
-            assert len(plan.direct) + len(plan.packs) <= 6
-            for pack in plan.packs:
+            assert len(plan.direct) + len(plan.batches) <= 6
+            for pack in plan.batches:
                 assert pack.cq <= 2 * TILE
 
 

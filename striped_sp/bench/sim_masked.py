@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import _Accumulator, _add_rows, _rows
+from ..attention import _Accumulator
 from ..kernels import resolve_kernel
 from ..layouts import get_layout
 from ..masks import block_plan, make_mask
@@ -45,18 +45,18 @@ class _MaskedInputs:
 
     def forward_step(self, calls, first: bool) -> None:
         for c in calls:
-            o, l = self.kernel.forward_varlen(_rows(self.q, c.q), _rows(self.k, c.kv), _rows(self.v, c.kv),
-                                              c.segments, self.scale)
-            self.acc.add(c.q, o, l)
+            self.kernel.forward_varlen(self.q, self.k, self.v, c.segments, self.scale, self.acc.out, self.acc.lse)
 
     def backward_step(self, calls) -> None:
+        # as the ring: the block's dK / dV in fresh buffers, then added to the travelling ones
+        if not calls:
+            return
+        dk, dv = torch.zeros_like(self.dk), torch.zeros_like(self.dv)
         for c in calls:
-            dq, dk, dv = self.kernel.backward_varlen(
-                _rows(self.dout, c.q), _rows(self.q, c.q), _rows(self.k, c.kv), _rows(self.v, c.kv),
-                _rows(self.out, c.q), _rows(self.lse, c.q, dim=2), c.segments, self.scale)
-            _add_rows(self.dq, c.q, dq)
-            _add_rows(self.dk, c.kv, dk)
-            _add_rows(self.dv, c.kv, dv)
+            self.kernel.backward_varlen(self.dout, self.q, self.k, self.v, self.out, self.lse, c.segments,
+                                        self.scale, self.dq, dk, dv)
+        self.dk += dk
+        self.dv += dv
 
 
 def _reference(cfg: SimConfig, work, gen, clock) -> dict:

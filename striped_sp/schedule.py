@@ -1,0 +1,249 @@
+"""How a varlen call (many band segments) is covered with few fused kernel calls.
+
+For kernels without a varlen entry point (PyTorch's CPU flash op, the math reference, the CUDA
+memory-efficient op), :func:`schedule` turns :class:`~striped_sp.masks.Segments` into *pieces*,
+every one a single kernel call whose rows all see at least one key; the executor
+(:mod:`striped_sp.varlen`) merges the pieces' ``(out, lse)`` row by row, so a row may be covered
+by several pieces:
+
+* **direct**: one plain call on slices: a large full rectangle, or a causal square.  A large
+  causal square is halved recursively into causal triangles of at most ``2 * LEAF`` rows and full
+  rectangles, because fused CPU kernels skip masked keys only in wide tiles (512 on this CPU), so
+  a causal call of a few hundred rows costs almost its full square;
+* **class**: one batched call over many items with a mask.  Long bands (sliding windows) are cut
+  into tiles of ``TILE`` rows; a tile whose band is wide becomes a left edge, a dense middle and a
+  right edge, so that only the edges carry a mask.  Items of one shape and band share a single
+  broadcast mask (or none); the rest (short documents, odd tiles) go into packs of consecutive
+  items with a block-diagonal band mask, one batched call per size class.
+
+Pack slots that no item owns gather row 0 and are dropped from the results (padding rows see one
+key, and get a zero output gradient, so they add nothing to any key's gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .masks import INF, Segments, _ranges
+
+__all__ = ["TILE", "LEAF", "Direct", "Batch", "Schedule", "schedule"]
+
+#: query rows per tile of a long band (and the largest pack class)
+TILE = 128
+#: causal squares of at least 2 * LEAF rows are halved into triangles and rectangles
+LEAF = 128
+#: smallest pack class (query rows)
+MIN_CLASS = 8
+#: a full or causal segment with at least this many score entries is called directly
+DIRECT_ENTRIES = TILE * TILE
+#: items of one shape and band, at least this many and this tall, share one broadcast mask
+UNIFORM_COUNT, UNIFORM_ROWS = 4, 32
+#: a tile is split into edges and a dense middle when the middle is at least this wide
+MIDDLE_MIN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Direct:
+    """Rows ``q0:q1`` against keys ``k0:k1`` of the packed tensors, full or causal (square)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+@dataclasses.dataclass
+class Batch:
+    """``packs`` batch entries of ``cq`` rows x ``ck`` keys gathered by ``q_index`` / ``k_index``
+    (local rows; padding slots gather row 0); ``mask``: ``None`` (dense), bool ``[1, 1, cq, ck]``
+    (shared) or ``[packs, 1, cq, ck]``.  ``q_real`` / ``k_real``: the slots that hold real rows
+    (``None``: all of them)."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    mask: torch.Tensor | None
+    packs: int
+    cq: int
+    ck: int
+    q_real: torch.Tensor | None = None
+    k_real: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Schedule:
+    direct: list
+    batches: list
+
+
+def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _expand(lengths: torch.Tensor):
+    """(item id, offset inside the item) of every element of the concatenated items."""
+    item = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return item, torch.arange(item.numel()) - _excl_cumsum(lengths)[item]
+
+
+def _halve_causal(q0: int, k0: int, m: int, out: list) -> None:
+    """Cover the causal square of ``m`` rows at (q0, k0) with small triangles and rectangles."""
+    if m < 2 * LEAF:
+        out.append(Direct(q0, q0 + m, k0, k0 + m, True))
+        return
+    h = m // 2
+    _halve_causal(q0, k0, h, out)
+    _halve_causal(q0 + h, k0 + h, m - h, out)
+    out.append(Direct(q0 + h, q0 + m, k0, k0 + h, False))
+
+
+def _tiles(q0, lq, k0, lk, lo, hi):
+    """Cut band segments into tiles of at most ``TILE`` rows, each keeping only its keys."""
+    ntiles = (lq + TILE - 1) // TILE
+    seg, t = _expand(ntiles)
+    x0 = t * TILE
+    x1 = torch.minimum(x0 + TILE, lq[seg])
+    lo_s, hi_s = lo[seg], hi[seg]
+    y0 = torch.clamp(x0 + lo_s, min=0)
+    y1 = torch.minimum(x1 - 1 + hi_s, lk[seg] - 1) + 1
+    return q0[seg] + x0, x1 - x0, k0[seg] + y0, y1 - y0, lo_s + x0 - y0, hi_s + x0 - y0
+
+
+def _split_tiles(items):
+    """Tiles with a wide band -> (left edges, dense middles, right edges, narrow tiles).
+
+    In tile coordinates (rows ``0..lt``, keys ``0..kt``, visible ``lo <= y - x <= hi``): the left
+    edge holds keys ``lo .. lt-1+lo`` (only lower bounds cut it), the middle ``lt+lo .. hi-1``
+    (seen by every row), the right edge ``hi .. lt-1+hi`` (only upper bounds cut it).  Every row
+    sees at least one key of each non-empty part."""
+    q0, lt, k0, kt, lo, hi = items
+    lo_c = torch.maximum(lo, -lt)
+    hi_c = torch.minimum(hi, kt)
+    mid0, mid1 = torch.clamp(lt + lo_c, min=0), torch.minimum(hi_c - 1, kt - 1)
+    wide = mid1 - mid0 + 1 >= MIDDLE_MIN
+    narrow = tuple(t[~wide] for t in items)
+    q0, lt, k0, kt, lo_c, hi_c, mid0, mid1 = (t[wide] for t in (q0, lt, k0, kt, lo_c, hi_c, mid0, mid1))
+    l0, l1 = torch.clamp(lo_c, min=0), lt - 1 + lo_c
+    has_l = l1 >= 0
+    left = (q0[has_l], lt[has_l], (k0 + l0)[has_l], (l1 - l0 + 1)[has_l], (lo_c - l0)[has_l],
+            torch.full_like(lt[has_l], INF))
+    r0, r1 = hi_c, torch.minimum(lt - 1 + hi_c, kt - 1)
+    has_r = r0 <= kt - 1
+    right = (q0[has_r], lt[has_r], (k0 + r0)[has_r], (r1 - r0 + 1)[has_r], torch.full_like(lt[has_r], -INF),
+             (hi_c - r0)[has_r])
+    middle = (q0, lt, k0 + mid0, mid1 - mid0 + 1)
+    return left, middle, right, narrow
+
+
+def _uniform_batch(q0, k0, lq: int, lk: int, lo: int | None, hi: int | None) -> Batch:
+    """Items of one shape and band (``lo is None``: dense): one item per batch entry, one mask."""
+    count = q0.numel()
+    mask = None
+    if lo is not None:
+        d = torch.arange(lk).unsqueeze(0) - torch.arange(lq).unsqueeze(1)
+        mask = ((d >= lo) & (d <= hi)).view(1, 1, lq, lk)
+    return Batch(_ranges(q0, torch.full((count,), lq)), _ranges(k0, torch.full((count,), lk)), mask, count, lq, lk)
+
+
+def _pack_batch(q0, lq, k0, lk, lo, hi, cls: int) -> Batch:
+    """Consecutive items whose first row falls in one ``cls``-wide window share a pack."""
+    start = _excl_cumsum(lq)
+    pack = torch.unique_consecutive(torch.div(start, cls, rounding_mode="floor"), return_inverse=True)[1]
+    npacks = int(pack[-1]) + 1
+    q_tot = torch.zeros(npacks, dtype=torch.int64).index_add_(0, pack, lq)
+    k_tot = torch.zeros(npacks, dtype=torch.int64).index_add_(0, pack, lk)
+    q_in = start - _excl_cumsum(q_tot)[pack]
+    k_in = _excl_cumsum(lk) - _excl_cumsum(k_tot)[pack]
+    cq, ck = int(q_tot.max()), int(k_tot.max())
+
+    def lay_out(lengths, first, inside, width, pad_item):
+        item, off = _expand(lengths)
+        flat = pack[item] * width + inside[item] + off
+        index = torch.zeros(npacks * width, dtype=torch.int64)
+        index[flat] = first[item] + off
+        owner = torch.full((npacks * width,), pad_item, dtype=torch.int64)
+        owner[flat] = item
+        where = torch.zeros(npacks * width, dtype=torch.int64)
+        where[flat] = off
+        real = None if flat.numel() == npacks * width else torch.sort(flat).values
+        return index, owner.view(npacks, -1), where.view(npacks, -1), real
+
+    q_index, row_item, row_x, q_real = lay_out(lq, q0, q_in, cq, -1)
+    k_index, col_item, col_y, k_real = lay_out(lk, k0, k_in, ck, -2)
+    d = col_y.unsqueeze(1) - row_x.unsqueeze(2)
+    owner = torch.clamp(row_item, min=0).unsqueeze(2)
+    mask = (row_item.unsqueeze(2) == col_item.unsqueeze(1)) & (d >= lo[owner]) & (d <= hi[owner])
+    mask[:, :, 0] |= row_item < 0  # padding rows see the first key of their pack
+    return Batch(q_index, k_index, mask.unsqueeze(1), npacks, cq, ck, q_real, k_real)
+
+
+def _masked_batches(items) -> list:
+    """Batches for band items with distinct rows: uniform classes first, then packs by size."""
+    if items[1].numel() == 0:
+        return []
+    q0, lq, k0, lk, lo, hi = items
+    sig = torch.stack([lq, lk, torch.maximum(lo, -lq), torch.minimum(hi, lk)], 1)
+    uniq, inverse, counts = torch.unique(sig, dim=0, return_inverse=True, return_counts=True)
+    chosen = (counts >= UNIFORM_COUNT) & (uniq[:, 0] >= UNIFORM_ROWS)
+    batches = []
+    for u in chosen.nonzero().flatten().tolist():
+        sel = inverse == u
+        a, b, c, d = uniq[u].tolist()
+        batches.append(_uniform_batch(q0[sel], k0[sel], a, b, c, d))
+    rest = ~chosen[inverse]
+    q0, lq, k0, lk, lo, hi = (t[rest] for t in items)
+    if lq.numel():
+        size = torch.maximum(lq, torch.clamp(lk, max=TILE))
+        cls = torch.clamp(2 ** torch.ceil(torch.log2(size.double())).long(), min=MIN_CLASS)
+        for c in torch.unique(cls).tolist():
+            sel = cls == c
+            batches.append(_pack_batch(q0[sel], lq[sel], k0[sel], lk[sel], lo[sel], hi[sel], int(c)))
+    return batches
+
+
+def _dense_pieces(q0, lq, k0, lk, direct: list) -> list:
+    """Dense items: repeated shapes as one batched call, the others as direct calls."""
+    batches = []
+    if lq.numel() == 0:
+        return batches
+    sig = torch.stack([lq, lk], 1)
+    uniq, inverse, counts = torch.unique(sig, dim=0, return_inverse=True, return_counts=True)
+    for u in range(uniq.size(0)):
+        sel = inverse == u
+        a, b = uniq[u].tolist()
+        if counts[u] >= UNIFORM_COUNT:
+            batches.append(_uniform_batch(q0[sel], k0[sel], a, b, None, None))
+        else:
+            direct += [Direct(s, s + a, t, t + b, False) for s, t in zip(q0[sel].tolist(), k0[sel].tolist())]
+    return batches
+
+
+def schedule(segs: Segments) -> Schedule:
+    """The pieces that cover ``segs`` (cached on ``segs``)."""
+    cached = getattr(segs, "_schedule", None)
+    if cached is not None:
+        return cached
+    lq, lk = segs.lq, segs.lk
+    lo, hi = segs.offsets()
+    q0, k0 = segs.q_start, segs.k_start
+    full = (segs.wl < 0) & (segs.wr < 0)
+    causal = (segs.wl < 0) & (segs.wr == 0) & (lq == lk)
+    direct_sel = (full | causal) & (lq * lk >= DIRECT_ENTRIES)
+    direct: list = []
+    for a, n, c, m, cz in zip(q0[direct_sel].tolist(), lq[direct_sel].tolist(), k0[direct_sel].tolist(),
+                              lk[direct_sel].tolist(), causal[direct_sel].tolist()):
+        if cz:
+            _halve_causal(a, c, n, direct)
+        else:
+            direct.append(Direct(a, a + n, c, c + m, False))
+    rest = ~direct_sel
+    tiles = _tiles(q0[rest], lq[rest], k0[rest], lk[rest], lo[rest], hi[rest])
+    left, middle, right, narrow = _split_tiles(tiles)
+    # each group has distinct rows; a row may appear once in each group
+    batches = _masked_batches(narrow) + _masked_batches(left) + _masked_batches(right)
+    batches += _dense_pieces(*middle, direct)
+    result = Schedule(direct, batches)
+    segs._schedule = result
+    return result
