@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 4 -m striped_sp.demo    # under torchrun: NCCL on GPUs, else gloo
 
 Prints, per layout, the max relative error of the output and of dq/dk/dv, and each rank's
-causal work: attention score entries computed per (batch, head).
+causal work: attention score entries computed per (batch, head); first for one causal document
+per row, then for a packed row of many documents under a sliding window (``--docs``, ``--window``).
 """
 
 from __future__ import annotations
@@ -19,19 +20,52 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .attention import ring_attention
-from .bench.work import score_entries
+from .bench.docs import workload
+from .bench.work import masked_step_entries, score_entries
 from .layouts import LAYOUTS, shard
 
 
-def _reference(q, k, v, dout, scale):
+def _reference(q, k, v, dout, scale, bounds=None, left=-1):
+    """float64 attention with the causal mask, inside documents ``bounds``, window ``left``."""
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     g = q.size(2) // k.size(2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
-    n = q.size(1)
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    pos = torch.arange(q.size(1))
+    hidden = pos.unsqueeze(0) > pos.unsqueeze(1)
+    if bounds is not None:
+        doc = torch.searchsorted(torch.tensor(bounds[1:]), pos, right=True)
+        hidden |= doc.unsqueeze(0) != doc.unsqueeze(1)
+    if left >= 0:
+        hidden |= pos.unsqueeze(0) < pos.unsqueeze(1) - left
+    s = s.masked_fill(hidden, float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(g, 2))
     (out * dout.double()).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def _run_packed(rank, world_size, args, device):
+    """Packed documents under a window: ``{layout: (err, work, critical/ideal, padding, documents)}``."""
+    rows = {}
+    for layout in LAYOUTS:
+        work = workload(layout, world_size, args.tokens_per_rank, args.docs, args.window or None, args.seed)
+        bounds, seq = list(work.mask.bounds), work.mask.seq_len
+        gen = torch.Generator().manual_seed(args.seed)
+        q, dout = (torch.randn(1, seq, args.heads, args.head_dim, generator=gen) for _ in range(2))
+        k, v = (torch.randn(1, seq, args.kv_heads, args.head_dim, generator=gen) for _ in range(2))
+        ref = _reference(q, k, v, dout, args.head_dim ** -0.5, bounds, work.mask.left)
+        sh = lambda t: shard(t, world_size, rank, layout=layout, cu_seqlens=bounds).to(device)  # noqa: E731
+        ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+        out = ring_attention(ql, kl, vl, layout=layout, cu_seqlens=torch.tensor(bounds),
+                             window_size=(args.window, 0) if args.window else None)
+        (out * sh(dout)).sum().backward()
+        err = max(
+            ((a.double().cpu() - sh(b).cpu()).abs().max() / b.abs().max()).item()
+            for a, b in zip((out, ql.grad, kl.grad, vl.grad), ref)
+        )
+        entries = masked_step_entries(work)
+        critical = sum(max(row) for row in entries) / work.ideal_entries
+        rows[layout] = (err, sum(row[rank] for row in entries), critical, work.padding_tokens, len(bounds) - 1)
+    return rows
 
 
 def _run_layouts(rank, world_size, args, device):
@@ -54,7 +88,7 @@ def _run_layouts(rank, world_size, args, device):
             for a, b in zip((out, ql.grad, kl.grad, vl.grad), ref)
         )
         rows[layout] = (err, score_entries(layout, world_size, rank, args.tokens_per_rank))
-    return rows
+    return {"dense": rows, "packed": _run_packed(rank, world_size, args, device)}
 
 
 def _worker(rank, world_size, init_file, args, results):
@@ -106,6 +140,9 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--docs", default="lognormal:median=48,sigma=1.0",
+                   help="document-length mix of the packed row (see striped-sp bench --docs)")
+    p.add_argument("--window", type=int, default=40, help="sliding window of the packed run (0: none)")
     args = p.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         per_rank = _under_torchrun(args)
@@ -114,19 +151,32 @@ def main(argv=None) -> None:
     else:
         per_rank = _spawn(args)
     seq = args.tokens_per_rank * args.world_size
+    ranks = range(args.world_size)
     print(f"causal ring attention, {args.world_size} ranks, {seq} tokens "
           f"({args.tokens_per_rank}/rank), {args.heads} q heads / {args.kv_heads} kv heads, float32")
     print("error: max relative error of out, dq, dk, dv against a float64 single-process reference")
     print("work: attention score entries computed per (batch, head), per rank\n")
-    ranks = range(args.world_size)
     header = f"{'layout':<11} {'max rel err':>11}  " + "  ".join(f"{f'rank {r}':>9}" for r in ranks) + "  max/min"
     print(header)
     print("-" * len(header))
     for layout in LAYOUTS:
-        err = max(per_rank[r][layout][0] for r in ranks)
-        work = [per_rank[r][layout][1] for r in ranks]
+        err = max(per_rank[r]["dense"][layout][0] for r in ranks)
+        work = [per_rank[r]["dense"][layout][1] for r in ranks]
         print(f"{layout:<11} {err:>11.2e}  " + "  ".join(f"{w:>9}" for w in work)
               + f"  {max(work) / min(work):7.3f}")
+    packed = {layout: per_rank[0]["packed"][layout] for layout in LAYOUTS}
+    print(f"\npacked row: {packed['striped'][4]} documents ({args.docs}), window {args.window or 'none'}; "
+          "zigzag pads every document to a multiple of 2N (Transformer Engine's rule)")
+    print("critical/ideal: sum over ring steps of the busiest rank's entries / (visible entries / N)\n")
+    header = (f"{'layout':<11} {'max rel err':>11}  " + "  ".join(f"{f'rank {r}':>9}" for r in ranks)
+              + f"  {'padding':>7}  critical/ideal")
+    print(header)
+    print("-" * len(header))
+    for layout in LAYOUTS:
+        err = max(per_rank[r]["packed"][layout][0] for r in ranks)
+        work = [per_rank[r]["packed"][layout][1] for r in ranks]
+        print(f"{layout:<11} {err:>11.2e}  " + "  ".join(f"{w:>9}" for w in work)
+              + f"  {packed[layout][3]:>7}  {packed[layout][2]:14.3f}")
 
 
 if __name__ == "__main__":
