@@ -197,23 +197,36 @@ def _mask_digest(mask: MaskSpec | None) -> list[int]:
     return [len(mask.bounds) - 1, checksum, mask.left, mask.right]
 
 
-def _check_consistent_across_ranks(q, k, layout: Layout, causal: bool, scale: float, group,
-                                   mask: MaskSpec | None = None) -> None:
+_META_LEN = 14  # shape (4), kv heads, dtype, layout, causal, scale, mask digest (4), local error
+
+
+def _check_consistent_across_ranks(q, k, layout: Layout | None, causal: bool, scale: float, group,
+                                   mask: MaskSpec | None = None, error: ValueError | None = None) -> None:
     """Opt-in (``STRIPED_SP_CHECK_RANKS=1``): one small all-gather of every rank's shapes, dtype,
-    layout, causal flag, scale, document boundaries and window, so that ranks called with different
-    arguments all raise the same ``ValueError`` instead of deadlocking in the ring.  Costs one
-    collective per call."""
+    layout, causal flag, scale, document boundaries and window, and of whether its own argument
+    checks failed (``error``), so that ranks called with different or bad arguments all raise a
+    ``ValueError`` instead of deadlocking in the ring.  Costs one collective per call."""
     names = sorted(_LAYOUT_CODES)
-    meta = [*q.shape, k.size(2), _DTYPE_CODES.get(q.dtype, 0), _LAYOUT_CODES[layout.name],
-            int(causal), round(scale * 1e9), *_mask_digest(mask)]
-    mine = torch.tensor(meta, dtype=torch.int64, device=q.device)
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    if error is None:
+        meta = [*q.shape, k.size(2), _DTYPE_CODES.get(q.dtype, 0), _LAYOUT_CODES[layout.name],
+                int(causal), round(scale * 1e9), *_mask_digest(mask), 0]
+    else:
+        meta = [0] * (_META_LEN - 1) + [1]
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
     n = dist.get_world_size(group)
-    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=q.device)
+    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     rows = every.view(n, -1).tolist()
+    failed = [r for r, row in enumerate(rows) if row[-1]]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"ring_attention: the argument checks failed on rank(s) {failed} of the group "
+                         "(their own ValueError says why); no rank started the ring")
     if any(row != rows[0] for row in rows):
         fields = ("batch, s_local, heads, head_dim, kv_heads, dtype, layout, causal, scale*1e9, "
-                  "documents, cu_seqlens checksum, window left, window right")
+                  "documents, cu_seqlens checksum, window left, window right, -")
         detail = "; ".join(f"rank {r}: {row}" for r, row in enumerate(rows))
         raise ValueError(
             f"ring_attention called with different arguments on the ranks of the group ({fields}): "
@@ -264,9 +277,6 @@ def ring_attention(
     that every rank of the group passed the same shapes, dtype, layout, causal flag, scale,
     ``cu_seqlens`` and ``window_size``.
     """
-    lay = get_layout(layout)
-    _check_inputs(q, k, v, lay)
-    kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1))
     if group is None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
@@ -274,11 +284,23 @@ def ring_attention(
                 "or pass group="
             )
         group = dist.group.WORLD
-    scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if not scale > 0:
-        raise ValueError(f"softmax_scale={softmax_scale} must be positive")
-    mask = _make_mask(q, group, lay, bool(causal), cu_seqlens, window_size)
-    if os.environ.get("STRIPED_SP_CHECK_RANKS", "0") not in ("", "0"):
+    check_ranks = os.environ.get("STRIPED_SP_CHECK_RANKS", "0") not in ("", "0")
+    try:
+        lay = get_layout(layout)
+        _check_inputs(q, k, v, lay)
+        kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1))
+        scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
+        if not scale > 0:
+            raise ValueError(f"softmax_scale={softmax_scale} must be positive")
+        mask = _make_mask(q, group, lay, bool(causal), cu_seqlens, window_size)
+        if mask is not None and kernel.varlen_unavailable_reason() is not None:
+            raise ValueError(f"backend {kernel.name!r} cannot run cu_seqlens / window_size: "
+                             f"{kernel.varlen_unavailable_reason()}")
+    except ValueError as e:
+        if check_ranks:  # every rank learns that this one failed, instead of waiting in the ring
+            _check_consistent_across_ranks(q, k, None, bool(causal), 1.0, group, error=e)
+        raise
+    if check_ranks:
         _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group, mask)
     return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask)
 

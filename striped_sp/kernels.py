@@ -67,6 +67,10 @@ class Kernel:
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         raise NotImplementedError
 
+    def varlen_unavailable_reason(self) -> str | None:
+        """``None`` when :meth:`forward_varlen` / :meth:`backward_varlen` run, else why not."""
+        return None
+
     def forward_masked(self, q, k, v, mask, scale: float):
         raise NotImplementedError(f"backend {self.name!r} has no masked attention call")
 
@@ -82,6 +86,11 @@ class Kernel:
         from .varlen import varlen_backward
 
         varlen_backward(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
+
+
+def _cpu_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The CPU op's backward wants lse in float64 for float64 inputs (float32 otherwise)."""
+    return lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
@@ -192,7 +201,7 @@ class TorchKernel(Kernel):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
             )
-            return out.transpose(1, 2), lse.contiguous()
+            return out.transpose(1, 2), lse.float().contiguous()
         h = q.size(2)
         qt = q.transpose(1, 2)
         kt = _expand_kv(k, h).transpose(1, 2)
@@ -213,7 +222,7 @@ class TorchKernel(Kernel):
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                out.transpose(1, 2), lse.contiguous(), 0.0, causal, scale=scale,
+                out.transpose(1, 2), _cpu_lse(lse, q), 0.0, causal, scale=scale,
             )
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         h, kvh = q.size(2), k.size(2)
@@ -252,7 +261,7 @@ class TorchKernel(Kernel):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
                 attn_mask=_additive_mask(mask, q.dtype), scale=scale,
             )
-            return out.transpose(1, 2), lse.contiguous()
+            return out.transpose(1, 2), lse.float().contiguous()
         h = q.size(2)
         bias = _additive_mask(mask, q.dtype, align=16).expand(q.size(0), h, q.size(1), k.size(1))
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -264,7 +273,7 @@ class TorchKernel(Kernel):
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                out.transpose(1, 2), lse.contiguous(), 0.0, False,
+                out.transpose(1, 2), _cpu_lse(lse, q), 0.0, False,
                 attn_mask=_additive_mask(mask, q.dtype), scale=scale,
             )
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -313,6 +322,31 @@ class TorchKernel(Kernel):
             return dq, _group_sum(dk.unsqueeze(0), kvh)[0], _group_sum(dv.unsqueeze(0), kvh)[0]
 
         native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
+
+
+def _installed_version(module: str, dist_name: str) -> tuple[int, ...] | None:
+    """(major, minor) of an installed package, or ``None`` when unknown."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return None
+    text = getattr(mod, "__version__", None)
+    if text is None:
+        try:
+            from importlib.metadata import PackageNotFoundError, version
+
+            text = version(dist_name)
+        except (ImportError, PackageNotFoundError):
+            return None
+    if not text:
+        return None
+    parts = []
+    for piece in str(text).split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            return None
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 def _call_with_supported_kwargs(fn: Callable, **kwargs):
@@ -372,6 +406,14 @@ class FlashAttnKernel(Kernel):
             deterministic=False, rng_state=None,
         )
         return dq, dk, dv
+
+    def varlen_unavailable_reason(self):
+        # before 2.6 the varlen lse came back padded, [num_seqs, h, max_seqlen_q]
+        version = _installed_version("flash_attn", "flash-attn")
+        if version is not None and version < (2, 6):
+            return (f"flash-attn {'.'.join(map(str, version))} returns a padded varlen lse; "
+                    "packed documents and windows need flash-attn >= 2.6 (or backend='torch')")
+        return None
 
     def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
         from .varlen import native_varlen_forward

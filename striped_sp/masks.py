@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import threading
 
 import torch
@@ -35,12 +36,14 @@ INF = 1 << 40
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def check_cu_seqlens(cu_seqlens, seq_len: int, world_size: int, layout=None) -> tuple[int, ...]:
-    """Validate document boundaries of the global packed row; returns them as a tuple of ints.
-
-    Rules: 1-D, integer, starting at 0, strictly increasing, ending at ``seq_len``; under
-    ``zigzag`` every document is a multiple of ``2 * world_size`` long (pad with
-    :func:`striped_sp.pad_documents`)."""
+def as_bounds(cu_seqlens) -> tuple[int, ...]:
+    """``cu_seqlens`` (1-D integer tensor, array or sequence of ints) as a tuple of ints;
+    ``ValueError`` for any other shape or type."""
+    if not isinstance(cu_seqlens, (torch.Tensor, list, tuple)) and hasattr(cu_seqlens, "__array__"):
+        try:
+            cu_seqlens = torch.as_tensor(cu_seqlens)
+        except (TypeError, RuntimeError):
+            raise ValueError(f"cu_seqlens of type {type(cu_seqlens).__name__} is not an integer array") from None
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
             raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}: it must be 1-D "
@@ -49,11 +52,21 @@ def check_cu_seqlens(cu_seqlens, seq_len: int, world_size: int, layout=None) -> 
             raise ValueError(f"cu_seqlens has dtype {cu_seqlens.dtype}: it must be an integer tensor")
         bounds = tuple(int(x) for x in cu_seqlens.tolist())
     elif isinstance(cu_seqlens, (list, tuple)):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens):
             raise ValueError(f"cu_seqlens={list(cu_seqlens)[:8]}...: every boundary must be an int")
-        bounds = tuple(cu_seqlens)
+        bounds = tuple(int(x) for x in cu_seqlens)
     else:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens).__name__}")
+    return bounds
+
+
+def check_cu_seqlens(cu_seqlens, seq_len: int, world_size: int, layout=None) -> tuple[int, ...]:
+    """Validate document boundaries of the global packed row; returns them as a tuple of ints.
+
+    Rules: 1-D, integer, starting at 0, strictly increasing, ending at ``seq_len``; under
+    ``zigzag`` every document is a multiple of ``2 * world_size`` long (pad with
+    :func:`striped_sp.pad_documents`)."""
+    bounds = as_bounds(cu_seqlens)
     shown = list(bounds[:6]) + (["..."] if len(bounds) > 6 else [])
     if len(bounds) < 2 or bounds[0] != 0:
         raise ValueError(f"cu_seqlens={shown} must start at 0 and hold at least one document")
@@ -86,9 +99,9 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"window_size={window_size!r} must be a pair (left, right)") from None
     for name, val in (("left", left), ("right", right)):
-        if isinstance(val, torch.Tensor) and val.numel() == 1:
+        if isinstance(val, torch.Tensor) and val.numel() == 1 and not val.is_floating_point():
             val = int(val)
-        if not isinstance(val, int) or isinstance(val, bool) or val < -1:
+        if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < -1:
             raise ValueError(f"window_size {name}={val!r} must be an int >= -1 (-1: no limit)")
     left, right = int(left), int(right)
     if causal and right != 0:

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from .layouts import get_layout
-from .masks import check_cu_seqlens
+from .masks import as_bounds, check_cu_seqlens
 
 __all__ = ["PaddedDocuments", "pad_documents", "document_positions"]
 
@@ -51,14 +51,18 @@ def pad_documents(cu_seqlens, world_size: int, layout: str = "zigzag") -> Padded
     """Padding of a packed row for ``layout`` on ``world_size`` ranks.
 
     ``zigzag``: every document padded at its end to a multiple of ``2 * world_size`` (Transformer
-    Engine's rule for THD with context parallelism).  ``striped`` / ``contiguous``: documents stay
+    Engine's rule for THD with context parallelism).  The padding belongs to its document, after
+    every real token: exact for causal attention (``right = 0``), where no real query sees a later
+    position; with ``causal=False`` or a right window real queries would see the padding, so
+    zigzag padding is for causal attention only.  ``striped`` / ``contiguous``: documents stay
     as they are; when the row length does not divide by ``world_size``, the missing tokens are
-    appended as one extra padding document (it attends only to itself)."""
+    appended as one extra padding document (it attends only to itself), exact in every case."""
     lay = get_layout(layout)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
-    seq_len = int(cu_seqlens[-1]) if len(cu_seqlens) else 0
-    bounds = check_cu_seqlens(cu_seqlens, seq_len, world_size)
+    raw = as_bounds(cu_seqlens)
+    bounds = check_cu_seqlens(raw, raw[-1] if raw else 0, world_size)
+    seq_len = bounds[-1]
     lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.int64)
     if lay.name == "zigzag":
         unit = 2 * world_size

@@ -84,15 +84,18 @@ def varlen_backward(kernel, dout, q, k, v, out, lse, segs: Segments, scale: floa
         dv[:, p.k0:p.k1] += g[2]
     for p in plan.batches:
         qi, ki = p.q_index.to(q.device), p.k_index.to(q.device)
-        do_b = _gather(dout, qi, p.packs, p.cq)
+        do_b, q_b = _gather(dout, qi, p.packs, p.cq), _gather(q, qi, p.packs, p.cq)
         lse_b = lse.index_select(2, qi)
-        if p.q_real is not None:  # padding rows: zero output gradient and lse 0, so no gradient anywhere
+        if p.q_real is not None:
+            # padding rows: query 0 (every score 0, so exp(score - lse) = 1 with lse 0) and output
+            # gradient 0: they add nothing to any gradient, however large the real scores are
             pad = torch.ones(p.packs * p.cq, dtype=torch.bool, device=q.device)
             pad[p.q_real.to(q.device)] = False
             do_b.view(b, p.packs * p.cq, h, d)[:, pad] = 0
+            q_b.view(b, p.packs * p.cq, h, d)[:, pad] = 0
             lse_b[:, :, pad] = 0
         lse_b = lse_b.view(b, h, p.packs, p.cq).transpose(1, 2).reshape(b * p.packs, h, p.cq)
-        args = (do_b, _gather(q, qi, p.packs, p.cq), _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck),
+        args = (do_b, q_b, _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck),
                 _gather(out, qi, p.packs, p.cq), lse_b.contiguous())
         mask = _batched_mask(p, b, q.device)
         g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
@@ -127,7 +130,9 @@ def _groups(segs: Segments, nq: int, nk: int, b: int, device):
     for wl, wr, ids in _window_groups(segs):
         qr, cu_q, mq = _group_rows(segs.q_start[ids], segs.lq[ids], nq, b, device)
         kr, cu_k, mk = _group_rows(segs.k_start[ids], segs.lk[ids], nk, b, device)
-        yield wl, wr, qr, cu_q, mq, kr, cu_k, mk
+        # flash-attn turns an unbounded side of a one-sided window into max_seqlen_k; with
+        # bottom-right alignment that is exact only when max_seqlen_k >= every segment's lq
+        yield wl, wr, qr, cu_q, mq, kr, cu_k, max(mq, mk)
 
 
 def native_varlen_forward(call, q, k, v, segs: Segments, acc_out, acc_lse) -> None:

@@ -45,18 +45,19 @@ def _bounds(lengths):
     return out
 
 
-def check_masked(n, layout, heads, dtype, seed, local_len, docs, window, causal=True, backend="auto"):
-    """``docs``: None, "short" (many short documents) or "mixed"; ``window``: None or (left, right)."""
+def check_masked(n, layout, heads, dtype, seed, local_len, docs, window, causal=True, backend="auto", batch=1):
+    """``docs``: None, "short" (many short documents) or "mixed"; ``window``: None or (left, right);
+    ``batch`` > 1 only without documents."""
     group, rank = cp_group(n)
     rng = random.Random(seed)
     seq = local_len * n
     bounds = None if docs is None else _bounds(_doc_lengths(rng, n, layout, seq, docs == "short"))
     h, kvh = HEADS[heads]
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, seq, h, 16, generator=gen).to(dtype)
-    k = torch.randn(1, seq, kvh, 16, generator=gen).to(dtype)
-    v = torch.randn(1, seq, kvh, 16, generator=gen).to(dtype)
-    dout = torch.randn(1, seq, h, 16, generator=gen).to(dtype)
+    q = torch.randn(batch, seq, h, 16, generator=gen).to(dtype)
+    k = torch.randn(batch, seq, kvh, 16, generator=gen).to(dtype)
+    v = torch.randn(batch, seq, kvh, 16, generator=gen).to(dtype)
+    dout = torch.randn(batch, seq, h, 16, generator=gen).to(dtype)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, causal, 0.25, bounds, window)
     (ref * dout.double()).sum().backward()
@@ -130,6 +131,8 @@ def _cases(world):
             for j, (name, heads, dtype, local_len, docs, window, causal, backend) in enumerate(specs):
                 cases.append((f"N{n}-{layout}-{name}", check_masked,
                               (n, layout, heads, dtype, s + j, local_len, docs, window, causal, backend)))
+            cases.append((f"N{n}-{layout}-window-batch3", check_masked,
+                          (n, layout, "gqa", torch.float32, s + 50, 3 * ll, None, (4, 0), True, "auto", 3)))
         cases.append((f"N{n}-zigzag-padded", check_zigzag_padded, (n, SEED + n)))
     return cases
 

@@ -132,6 +132,24 @@ def check_mask_mismatch_across_ranks(what):
         del os.environ["STRIPED_SP_CHECK_RANKS"]
 
 
+def check_one_rank_fails_its_own_checks():
+    """With STRIPED_SP_CHECK_RANKS=1, a rank whose own checks fail tells the others: every rank
+    raises, nobody waits in the ring or in the check's all-gather."""
+    import os
+
+    os.environ["STRIPED_SP_CHECK_RANKS"] = "1"
+    try:
+        rank = dist.get_rank()
+        q, k, v = _qkv(s=4)
+        cu = torch.tensor([0, 5, 5, 8]) if rank == 1 else torch.tensor([0, 5, 8])
+        match = "strictly increasing" if rank == 1 else r"argument checks failed on rank\(s\) \[1\]"
+        with pytest.raises(ValueError, match=match):
+            striped_sp.ring_attention(q, k, v, cu_seqlens=cu)
+        assert torch.isfinite(striped_sp.ring_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 8]))).all()
+    finally:
+        del os.environ["STRIPED_SP_CHECK_RANKS"]
+
+
 def check_kernel_failure_leaves_ring_clean():
     """A kernel that fails on every rank at step 0 (after the KV transfer was posted) raises there,
     and the next call is still exact: no half-sent message is left to be mis-received."""
@@ -169,6 +187,7 @@ CASES = [(kind, check_raises, (kind,)) for kind in KINDS] + [
     ("rank-mismatch-checked", check_mismatch_across_ranks, ("1",)),
     ("cu-seqlens-mismatch-checked", check_mask_mismatch_across_ranks, ("cu_seqlens",)),
     ("window-mismatch-checked", check_mask_mismatch_across_ranks, ("window_size",)),
+    ("one-rank-fails-checked", check_one_rank_fails_its_own_checks, ()),
     ("ring-still-works", check_ring_still_works, ()),
 ]
 _results = {}

@@ -34,7 +34,7 @@ def _fa_visible(lq, lk, wl, wr, causal):
 def _random_segments(rng, count, long=False):
     lq, lk, wl, wr = [], [], [], []
     for _ in range(count):
-        kind = rng.choice(["causal", "full", "band", "rect"])
+        kind = rng.choice(["causal", "full", "band", "rect", "tall"])
         a = rng.randint(1, 300 if long else 12)
         if kind == "causal":
             lq.append(a), lk.append(a), wl.append(-1), wr.append(0)
@@ -43,9 +43,12 @@ def _random_segments(rng, count, long=False):
         elif kind == "band":  # a causal band whose every row sees a key
             w = rng.randint(0, a)
             lq.append(a), lk.append(a), wl.append(w), wr.append(0)
-        else:  # rows that see a window of keys ending at their own column
+        elif kind == "rect":  # rows that see a window of keys ending at their own column
             b = rng.randint(a, a + 20)
             lq.append(a), lk.append(b), wl.append(rng.randint(0, b)), wr.append(rng.choice([0, -1]))
+        else:  # more queries than keys, a lower bound only (contiguous blocks under a window)
+            a = max(a, 2)
+            lq.append(a), lk.append(rng.randint(1, a - 1)), wl.append(rng.randint(0, 3)), wr.append(-1)
     cu = lambda xs: torch.tensor([0] + list(torch.tensor(xs).cumsum(0)))  # noqa: E731
     # segments sit in the local tensors with gaps between them (rows no segment owns)
     gaps = lambda: torch.tensor([rng.randint(0, 3) for _ in lq]).cumsum(0)  # noqa: E731
@@ -120,9 +123,25 @@ def test_varlen_forward_backward(backend, long, heads):
         assert plan.direct and plan.batches
 
 
+def _flash_window(wl, wr, causal, max_seqlen_k):
+    """flash-attn's own rewriting of the window (mha_varlen_fwd / set_params_fprop): a side at or
+    beyond max_seqlen_k is unbounded, and then an unbounded side of a one-sided window becomes
+    max_seqlen_k."""
+    if causal:
+        wr = 0
+    wl = -1 if wl >= max_seqlen_k else wl
+    wr = -1 if wr >= max_seqlen_k else wr
+    if wl < 0 and wr >= 0:
+        wl = max_seqlen_k
+    if wl >= 0 and wr < 0:
+        wr = max_seqlen_k
+    return wl, wr
+
+
 def _install_fake_varlen_flash_attn(monkeypatch, calls):
     """flash_attn.flash_attn_interface with the documented varlen signatures (2.6+), computed
-    per segment from the documented semantics: checks our plumbing, not flash-attn."""
+    per segment from the documented semantics, including flash-attn's window rewriting: checks
+    our plumbing, not flash-attn."""
     math = MathKernel()
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -135,7 +154,8 @@ def _install_fake_varlen_flash_attn(monkeypatch, calls):
             a, b = int(cu_seqlens_q[t]), int(cu_seqlens_q[t + 1])
             c, d = int(cu_seqlens_k[t]), int(cu_seqlens_k[t + 1])
             assert b - a <= max_seqlen_q and d - c <= max_seqlen_k
-            vis = _fa_visible(b - a, d - c, window_size_left, window_size_right, causal)
+            wl, wr = _flash_window(window_size_left, window_size_right, causal, max_seqlen_k)
+            vis = _fa_visible(b - a, d - c, wl, wr, False)
             o, l = math.forward_masked(q[None, a:b], k[None, c:d], v[None, c:d], vis[None, None], softmax_scale)
             outs.append(o[0])
             lses.append(l[0])
@@ -148,7 +168,8 @@ def _install_fake_varlen_flash_attn(monkeypatch, calls):
         for t in range(cu_seqlens_q.numel() - 1):
             a, b = int(cu_seqlens_q[t]), int(cu_seqlens_q[t + 1])
             c, d = int(cu_seqlens_k[t]), int(cu_seqlens_k[t + 1])
-            vis = _fa_visible(b - a, d - c, window_size_left, window_size_right, causal)
+            wl, wr = _flash_window(window_size_left, window_size_right, causal, max_seqlen_k)
+            vis = _fa_visible(b - a, d - c, wl, wr, False)
             g = math.backward_masked(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b],
                                      softmax_lse[None, :, a:b], vis[None, None], softmax_scale)
             dq[a:b], dk[c:d], dv[c:d] = g[0][0], g[1][0], g[2][0]
@@ -222,3 +243,35 @@ def test_long_bands_share_one_mask(backend):
     assert _err(out, ref) < 1e-5 and _err(lse, ref_lse) < 1e-5
     for got, want in zip((dq, dk, dv), (qr.grad, kr.grad, vr.grad)):
         assert _err(got, want) < 1e-5
+
+
+def test_flash_attn_before_2_6_refuses_varlen(monkeypatch):
+    """flash-attn < 2.6 returns a padded varlen lse: masks must not reach it."""
+    _install_fake_varlen_flash_attn(monkeypatch, [])
+    sys.modules["flash_attn"].__version__ = "2.5.9"
+    assert "flash-attn >= 2.6" in FlashAttnKernel().varlen_unavailable_reason()
+    sys.modules["flash_attn"].__version__ = "2.7.4.post1"
+    assert FlashAttnKernel().varlen_unavailable_reason() is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+def test_padding_rows_stay_finite_with_large_scores(backend):
+    """Short documents packed with padding rows, and scores far above exp's float32 range: the
+    padding rows must add nothing (no inf * 0) to any key's gradient."""
+    lens = [3, 5, 2]
+    cu = torch.tensor([0, 3, 8, 10])
+    segs = Segments(cu, cu, torch.full((3,), -1), torch.zeros(3, dtype=torch.int64))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 10, 2, 16, generator=gen) * 6
+    k = torch.randn(1, 10, 2, 16, generator=gen) * 6
+    k[:, 8] = q[:, 0]  # the first key of the last pack scores ~ |q0|^2 * 0.3 against row 0
+    v, dout = torch.randn(1, 10, 2, 16, generator=gen), torch.randn(1, 10, 2, 16, generator=gen)
+    assert sum(lens) == 10 and any(p.q_real is not None for p in varlen.schedule(segs).batches)
+    out, lse, dq, dk, dv = _run(KERNELS[backend], q, k, v, dout, segs)
+    for t in (out, lse, dq, dk, dv):
+        assert torch.isfinite(t).all()
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = _reference(qr, kr, vr, segs)
+    (ref * dout.double()).sum().backward()
+    for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert _err(got, want) < 1e-4
