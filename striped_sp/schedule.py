@@ -70,6 +70,9 @@ class Batch:
     ck: int
     q_real: torch.Tensor | None = None
     k_real: torch.Tensor | None = None
+    #: ``(q_first, k_first, k_step)`` when entry ``p`` holds rows ``q_first + p*cq ..`` and keys
+    #: ``k_first + p*k_step ..`` (the tiles of one long band): strided views replace the gathers
+    strided: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -137,14 +140,35 @@ def _split_tiles(items):
     return left, middle, right, narrow
 
 
-def _uniform_batch(q0, k0, lq: int, lk: int, lo: int | None, hi: int | None) -> Batch:
-    """Items of one shape and band (``lo is None``: dense): one item per batch entry, one mask."""
-    count = q0.numel()
+def _uniform_batch(q0, k0, lq: int, lk: int, lo: int | None, hi: int | None) -> list:
+    """Items of one shape and band (``lo is None``: dense): one item per batch entry, one mask.
+    Runs of consecutive tiles (rows back to back, keys at a fixed step) become strided batches."""
     mask = None
     if lo is not None:
         d = torch.arange(lk).unsqueeze(0) - torch.arange(lq).unsqueeze(1)
         mask = ((d >= lo) & (d <= hi)).view(1, 1, lq, lk)
-    return Batch(_ranges(q0, torch.full((count,), lq)), _ranges(k0, torch.full((count,), lk)), mask, count, lq, lk)
+    order = torch.argsort(q0)
+    q0, k0 = q0[order], k0[order]
+    # a run breaks where the rows are not back to back or the key step changes
+    dq, dk = q0[1:] - q0[:-1], k0[1:] - k0[:-1]
+    breaks = torch.ones(q0.numel(), dtype=torch.bool)
+    breaks[1:] = dq != lq
+    breaks[2:] |= (dk[1:] != dk[:-1]) & ~breaks[1:-1]
+    breaks[1:] |= dk <= 0
+    starts = breaks.nonzero().flatten().tolist() + [q0.numel()]
+    batches, rest = [], []
+    for a, b in zip(starts[:-1], starts[1:]):
+        if b - a >= UNIFORM_COUNT:
+            step = int(k0[a + 1] - k0[a])
+            batches.append(Batch(_ranges(q0[a:b], torch.full((b - a,), lq)), _ranges(k0[a:b], torch.full((b - a,), lk)),
+                                 mask, b - a, lq, lk, strided=(int(q0[a]), int(k0[a]), step)))
+        else:
+            rest.append(torch.arange(a, b))
+    if rest:
+        idx = torch.cat(rest)
+        batches.append(Batch(_ranges(q0[idx], torch.full((idx.numel(),), lq)),
+                             _ranges(k0[idx], torch.full((idx.numel(),), lk)), mask, idx.numel(), lq, lk))
+    return batches
 
 
 def _pack_batch(q0, lq, k0, lk, lo, hi, cls: int) -> Batch:
@@ -191,7 +215,7 @@ def _masked_batches(items) -> list:
     for u in chosen.nonzero().flatten().tolist():
         sel = inverse == u
         a, b, c, d = uniq[u].tolist()
-        batches.append(_uniform_batch(q0[sel], k0[sel], a, b, c, d))
+        batches += _uniform_batch(q0[sel], k0[sel], a, b, c, d)
     rest = ~chosen[inverse]
     q0, lq, k0, lk, lo, hi = (t[rest] for t in items)
     if lq.numel():
@@ -214,7 +238,7 @@ def _dense_pieces(q0, lq, k0, lk, direct: list) -> list:
         sel = inverse == u
         a, b = uniq[u].tolist()
         if counts[u] >= UNIFORM_COUNT:
-            batches.append(_uniform_batch(q0[sel], k0[sel], a, b, None, None))
+            batches += _uniform_batch(q0[sel], k0[sel], a, b, None, None)
         else:
             direct += [Direct(s, s + a, t, t + b, False) for s, t in zip(q0[sel].tolist(), k0[sel].tolist())]
     return batches

@@ -49,6 +49,51 @@ def _merge_rows(acc_out, acc_lse, rows: torch.Tensor, out: torch.Tensor, lse: to
     acc_lse.index_copy_(2, rows, cur_lse)
 
 
+def _windows(x: torch.Tensor, first: int, step: int, count: int, width: int) -> torch.Tensor:
+    """``count`` windows of ``width`` rows of ``x`` ``[1, L, h, d]``, ``step`` rows apart, as one
+    strided view ``[count, width, h, d]`` (windows may overlap: read only)."""
+    s = x.stride()
+    return x.as_strided((count, width, *x.shape[2:]), (step * s[1], s[1], *s[2:]), x.storage_offset() + first * s[1])
+
+
+def _add_windows(acc: torch.Tensor, value: torch.Tensor, first: int, step: int, width: int) -> None:
+    """``acc`` windows (as :func:`_windows`) += ``value`` ``[count, width, ...]``; overlapping
+    windows are added in phases that do not overlap."""
+    count = value.size(0)
+    phases = max(1, -(-width // step))
+    for ph in range(min(phases, count)):
+        part = value[ph::phases]
+        _windows(acc, first + ph * step, phases * step, part.size(0), width).add_(part)
+
+
+def _strided_forward(kernel, p: Batch, q, k, v, mask, scale, acc_out, acc_lse) -> None:
+    qf, kf, step = p.strided
+    o, l = _attend(kernel, _windows(q, qf, p.cq, p.packs, p.cq), _windows(k, kf, step, p.packs, p.ck),
+                   _windows(v, kf, step, p.packs, p.ck), mask, scale)
+    r1 = qf + p.packs * p.cq
+    h = q.size(2)
+    _merge(acc_out[:, qf:r1], acc_lse[:, :, qf:r1], o.reshape(1, p.packs * p.cq, *o.shape[2:]),
+           l.transpose(0, 1).reshape(1, h, p.packs * p.cq))
+
+
+def _strided_backward(kernel, p: Batch, dout, q, k, v, out, lse, mask, scale, dq, dk, dv) -> None:
+    qf, kf, step = p.strided
+    r1 = qf + p.packs * p.cq
+    h = q.size(2)
+    lse_b = lse[0, :, qf:r1].reshape(h, p.packs, p.cq).transpose(0, 1).contiguous()
+    args = (_windows(dout, qf, p.cq, p.packs, p.cq), _windows(q, qf, p.cq, p.packs, p.cq),
+            _windows(k, kf, step, p.packs, p.ck), _windows(v, kf, step, p.packs, p.ck),
+            _windows(out, qf, p.cq, p.packs, p.cq), lse_b)
+    g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
+    dq[:, qf:r1] += g[0].reshape(1, p.packs * p.cq, *g[0].shape[2:])
+    _add_windows(dk, g[1].float(), kf, step, p.ck)
+    _add_windows(dv, g[2].float(), kf, step, p.ck)
+
+
+def _attend(kernel, q, k, v, mask, scale):
+    return kernel.forward(q, k, v, False, scale) if mask is None else kernel.forward_masked(q, k, v, mask, scale)
+
+
 def _real(x: torch.Tensor, real: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
     return x if real is None else x.index_select(dim, real)
 
@@ -61,10 +106,13 @@ def varlen_forward(kernel, q, k, v, segs: Segments, scale: float, acc_out, acc_l
         o, l = kernel.forward(q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1], p.causal, scale)
         _merge(acc_out[:, p.q0:p.q1], acc_lse[:, :, p.q0:p.q1], o, l)
     for p in plan.batches:
+        mask = _batched_mask(p, b, q.device)
+        if p.strided is not None and b == 1:
+            _strided_forward(kernel, p, q, k, v, mask, scale, acc_out, acc_lse)
+            continue
         qi, ki = p.q_index.to(q.device), p.k_index.to(q.device)
         qb, kb, vb = _gather(q, qi, p.packs, p.cq), _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck)
-        mask = _batched_mask(p, b, q.device)
-        o, l = kernel.forward(qb, kb, vb, False, scale) if mask is None else kernel.forward_masked(qb, kb, vb, mask, scale)
+        o, l = _attend(kernel, qb, kb, vb, mask, scale)
         o = _flat(o, b, p.packs, p.cq)
         l = l.view(b, p.packs, h, p.cq).transpose(1, 2).reshape(b, h, p.packs * p.cq)
         real = None if p.q_real is None else p.q_real.to(q.device)
@@ -83,6 +131,9 @@ def varlen_backward(kernel, dout, q, k, v, out, lse, segs: Segments, scale: floa
         dk[:, p.k0:p.k1] += g[1]
         dv[:, p.k0:p.k1] += g[2]
     for p in plan.batches:
+        if p.strided is not None and b == 1:
+            _strided_backward(kernel, p, dout, q, k, v, out, lse, _batched_mask(p, b, q.device), scale, dq, dk, dv)
+            continue
         qi, ki = p.q_index.to(q.device), p.k_index.to(q.device)
         do_b, q_b = _gather(dout, qi, p.packs, p.cq), _gather(q, qi, p.packs, p.cq)
         lse_b = lse.index_select(2, qi)

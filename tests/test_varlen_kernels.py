@@ -233,6 +233,7 @@ def test_long_bands_share_one_mask(backend):
                     torch.tensor([0, 0]))
     plan = varlen.schedule(segs)
     assert any(p.mask is not None and p.mask.size(0) == 1 and p.packs >= 4 for p in plan.batches)
+    assert any(p.strided is not None for p in plan.batches)  # consecutive tiles: strided views
     gen = torch.Generator().manual_seed(11)
     q, dout = torch.randn(1, 1600, 2, 8, generator=gen), torch.randn(1, 1600, 2, 8, generator=gen)
     k, v = torch.randn(1, 1600, 1, 8, generator=gen), torch.randn(1, 1600, 1, 8, generator=gen)
