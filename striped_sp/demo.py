@@ -156,28 +156,25 @@ def main(argv=None) -> None:
           f"({args.tokens_per_rank}/rank), {args.heads} q heads / {args.kv_heads} kv heads, float32")
     print("error: max relative error of out, dq, dk, dv against a float64 single-process reference")
     print("work: attention score entries computed per (batch, head), per rank\n")
-    header = f"{'layout':<11} {'max rel err':>11}  " + "  ".join(f"{f'rank {r}':>9}" for r in ranks) + "  max/min"
-    print(header)
-    print("-" * len(header))
-    for layout in LAYOUTS:
-        err = max(per_rank[r]["dense"][layout][0] for r in ranks)
-        work = [per_rank[r]["dense"][layout][1] for r in ranks]
-        print(f"{layout:<11} {err:>11.2e}  " + "  ".join(f"{w:>9}" for w in work)
-              + f"  {max(work) / min(work):7.3f}")
+    _table(per_rank, "dense", ranks, "max/min",
+           lambda layout, work: f"  {max(work) / min(work):7.3f}")
     packed = {layout: per_rank[0]["packed"][layout] for layout in LAYOUTS}
     print(f"\npacked row: {packed['striped'][4]} documents ({args.docs}), window {args.window or 'none'}; "
           "zigzag pads every document to a multiple of 2N (Transformer Engine's rule)")
     print("critical/ideal: sum over ring steps of the busiest rank's entries / (visible entries / N)\n")
-    header = (f"{'layout':<11} {'max rel err':>11}  " + "  ".join(f"{f'rank {r}':>9}" for r in ranks)
-              + f"  {'padding':>7}  critical/ideal")
+    _table(per_rank, "packed", ranks, f"{'padding':>7}  critical/ideal",
+           lambda layout, work: f"  {packed[layout][3]:>7}  {packed[layout][2]:14.3f}")
+
+
+def _table(per_rank, kind, ranks, last_header, last_cells) -> None:
+    """Per layout: the max error over ranks, each rank's work, then ``last_cells(layout, work)``."""
+    header = f"{'layout':<11} {'max rel err':>11}  " + "  ".join(f"{f'rank {r}':>9}" for r in ranks) + "  " + last_header
     print(header)
     print("-" * len(header))
     for layout in LAYOUTS:
-        err = max(per_rank[r]["packed"][layout][0] for r in ranks)
-        work = [per_rank[r]["packed"][layout][1] for r in ranks]
-        print(f"{layout:<11} {err:>11.2e}  " + "  ".join(f"{w:>9}" for w in work)
-              + f"  {packed[layout][3]:>7}  {packed[layout][2]:14.3f}")
-
+        err = max(per_rank[r][kind][layout][0] for r in ranks)
+        work = [per_rank[r][kind][layout][1] for r in ranks]
+        print(f"{layout:<11} {err:>11.2e}  " + "  ".join(f"{w:>9}" for w in work) + last_cells(layout, work))
 
 if __name__ == "__main__":
     main()

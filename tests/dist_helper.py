@@ -93,3 +93,19 @@ def cp_group(n):
             raise AssertionError(f"no sub-group of size {n} in a world of {world}")
     group = _groups[n]
     return group, dist.get_rank(group)
+
+
+class CaseTable:
+    """Cases per world size, each world spawned once on first use; ``params()`` for pytest."""
+
+    def __init__(self, cases_by_world: dict):
+        self.cases = cases_by_world
+        self._results = {}
+
+    def params(self) -> list:
+        return [(w, name) for w, cases in self.cases.items() for name, _, _ in cases]
+
+    def result(self, world: int, name: str):
+        if world not in self._results:
+            self._results[world] = run_cases(world, self.cases[world])
+        return self._results[world][name]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import striped_sp
-from dist_helper import cp_group, run_cases
+from dist_helper import CaseTable, cp_group
 from reference import reference_attention
 
 SEED = random.randrange(2**31)
@@ -137,17 +137,10 @@ def _cases(world):
     return cases
 
 
-CASES = {world: _cases(world) for world in (4, 3)}
-_results = {}
+CASES = CaseTable({world: _cases(world) for world in (4, 3)})
 
 
-def _result(world, name):
-    if world not in _results:
-        _results[world] = run_cases(world, CASES[world])
-    return _results[world][name]
-
-
-@pytest.mark.parametrize("world, name", [(w, name) for w, cases in CASES.items() for name, _, _ in cases])
+@pytest.mark.parametrize("world, name", CASES.params())
 def test_masked_against_float64_reference(world, name):
-    err = _result(world, name)
+    err = CASES.result(world, name)
     assert err is None, err

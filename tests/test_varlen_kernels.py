@@ -92,6 +92,15 @@ def _reference(q, k, v, segs):
     return out, lse
 
 
+def _check_against_reference(q, k, v, dout, segs, got, tol=1e-5):
+    """``got`` = (out, lse, dq, dk, dv) against the float64 per-segment reference."""
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _reference(qr, kr, vr, segs)
+    (ref * dout.double()).sum().backward()
+    for x, want in zip(got, (ref, ref_lse, qr.grad, kr.grad, vr.grad)):
+        assert _err(x, want) < tol
+
+
 def _err(x, ref):
     x, ref = x.double(), ref.double()
     both_inf = torch.isinf(ref) & (x == ref)  # rows of no segment: lse stays -inf
@@ -111,13 +120,7 @@ def test_varlen_forward_backward(backend, long, heads):
     k = torch.randn(2, nk, heads[1], 16, generator=gen)
     v = torch.randn(2, nk, heads[1], 16, generator=gen)
     dout = torch.randn(2, nq, heads[0], 16, generator=gen)
-    out, lse, dq, dk, dv = _run(KERNELS[backend], q, k, v, dout, segs)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = _reference(qr, kr, vr, segs)
-    (ref * dout.double()).sum().backward()
-    assert _err(out, ref) < 1e-5 and _err(lse, ref_lse) < 1e-5
-    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        assert _err(got, want) < 1e-5
+    _check_against_reference(q, k, v, dout, segs, _run(KERNELS[backend], q, k, v, dout, segs))
     if long:  # the long segments went through direct calls and tiles, the short ones through packs
         plan = varlen.schedule(segs)
         assert plan.direct and plan.batches
@@ -189,16 +192,11 @@ def test_flash_attn_varlen_adapter_plumbing(monkeypatch):
     nq, nk = _sizes(segs)
     q, dout = torch.randn(2, nq, 4, 8), torch.randn(2, nq, 4, 8)
     k, v = torch.randn(2, nk, 2, 8), torch.randn(2, nk, 2, 8)
-    out, lse, dq, dk, dv = _run(FlashAttnKernel(), q, k, v, dout, segs)
+    got = _run(FlashAttnKernel(), q, k, v, dout, segs)
     windows = {(int(a), int(b)) for a, b in zip(segs.wl, segs.wr)}
     assert len(calls) == len(windows)  # one native call per window class
     assert all(causal == (wl < 0 and wr == 0) for wl, wr, causal in calls)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = _reference(qr, kr, vr, segs)
-    (ref * dout.double()).sum().backward()
-    assert _err(out, ref) < 1e-5 and _err(lse, ref_lse) < 1e-5
-    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        assert _err(got, want) < 1e-5
+    _check_against_reference(q, k, v, dout, segs, got)
 
 
 def test_torch_cuda_varlen_path_on_meta(monkeypatch):
@@ -237,13 +235,7 @@ def test_long_bands_share_one_mask(backend):
     gen = torch.Generator().manual_seed(11)
     q, dout = torch.randn(1, 1600, 2, 8, generator=gen), torch.randn(1, 1600, 2, 8, generator=gen)
     k, v = torch.randn(1, 1600, 1, 8, generator=gen), torch.randn(1, 1600, 1, 8, generator=gen)
-    out, lse, dq, dk, dv = _run(KERNELS[backend], q, k, v, dout, segs)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = _reference(qr, kr, vr, segs)
-    (ref * dout.double()).sum().backward()
-    assert _err(out, ref) < 1e-5 and _err(lse, ref_lse) < 1e-5
-    for got, want in zip((dq, dk, dv), (qr.grad, kr.grad, vr.grad)):
-        assert _err(got, want) < 1e-5
+    _check_against_reference(q, k, v, dout, segs, _run(KERNELS[backend], q, k, v, dout, segs))
 
 
 def test_flash_attn_before_2_6_refuses_varlen(monkeypatch):
@@ -268,11 +260,7 @@ def test_padding_rows_stay_finite_with_large_scores(backend):
     k[:, 8] = q[:, 0]  # the first key of the last pack scores ~ |q0|^2 * 0.3 against row 0
     v, dout = torch.randn(1, 10, 2, 16, generator=gen), torch.randn(1, 10, 2, 16, generator=gen)
     assert sum(lens) == 10 and any(p.q_real is not None for p in varlen.schedule(segs).batches)
-    out, lse, dq, dk, dv = _run(KERNELS[backend], q, k, v, dout, segs)
-    for t in (out, lse, dq, dk, dv):
+    got = _run(KERNELS[backend], q, k, v, dout, segs)
+    for t in got:
         assert torch.isfinite(t).all()
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, _ = _reference(qr, kr, vr, segs)
-    (ref * dout.double()).sum().backward()
-    for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        assert _err(got, want) < 1e-4
+    _check_against_reference(q, k, v, dout, segs, got, tol=1e-4)
