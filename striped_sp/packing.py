@@ -31,6 +31,8 @@ class PaddedDocuments:
     index: torch.Tensor
     padding_tokens: int
     seq_len: int
+    world_size: int = 1
+    layout: str = "striped"
 
     def pad(self, x: torch.Tensor, dim: int = 1, value=0) -> torch.Tensor:
         """``x`` (original row on ``dim``) laid out on the padded row; padding filled with ``value``
@@ -41,6 +43,13 @@ class PaddedDocuments:
         shape[dim] = self.seq_len
         out = torch.full(shape, value, dtype=x.dtype, device=x.device)
         return out.index_copy(dim, self.index.to(x.device), x)
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1, value=0) -> torch.Tensor:
+        """``rank``'s part of ``x`` (original row on ``dim``): padded, then sharded with the layout
+        and the padded boundaries."""
+        from .layouts import shard
+
+        return shard(self.pad(x, dim, value), self.world_size, rank, dim, self.layout, self.cu_seqlens)
 
     def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The original tokens of ``x`` (padded row on ``dim``)."""
@@ -77,7 +86,7 @@ def pad_documents(cu_seqlens, world_size: int, layout: str = "zigzag") -> Padded
         index = torch.arange(seq_len)
         new_bounds = torch.tensor(bounds + ((seq_len + tail,) if tail else ()), dtype=torch.int64)
     total = int(new_bounds[-1])
-    return PaddedDocuments(new_bounds, index, total - seq_len, total)
+    return PaddedDocuments(new_bounds, index, total - seq_len, total, world_size, lay.name)
 
 
 def document_positions(seq_len: int, world_size: int, rank: int, layout: str = "striped",

@@ -13,7 +13,8 @@ from striped_sp.cli import main
 from striped_sp.layouts import LAYOUTS
 
 SIM_KEYS = {"layout", "world_size", "seq_len", "pass", "critical_path_ms", "speedup_vs_contiguous", "efficiency"}
-RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window"}
+RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
+            "padding_tokens"}
 
 
 def _brute_force(layout: str, world_size: int, local_len: int) -> list[list[int]]:

@@ -83,3 +83,4 @@ def test_masked_run_smoke(tmp_path, capsys):
     ours = [r for r in recs if r["impl"] in LAYOUTS]
     assert len(ours) == 3 and all(r["median_ms"] > 0 and r["docs"] == "fixed:7" for r in ours)
     assert "padding tokens" in capsys.readouterr().out  # zigzag pads documents of 7 to 8
+    assert next(r for r in recs if r["impl"] == "zigzag")["padding_tokens"] > 0

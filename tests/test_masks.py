@@ -114,6 +114,7 @@ def test_shard_unshard_and_document_positions(layout):
     padded = pad.pad(x)
     assert torch.equal(pad.unpad(padded), x)
     shards = [striped_sp.shard(padded, n, r, layout=layout, cu_seqlens=pad.cu_seqlens) for r in range(n)]
+    assert all(torch.equal(pad.shard(x, r), shards[r]) for r in range(n))
     assert torch.equal(striped_sp.unshard(shards, layout=layout, cu_seqlens=pad.cu_seqlens), padded)
     # RoPE positions inside documents, against an independent per-token table
     starts = torch.tensor(bounds[:-1])

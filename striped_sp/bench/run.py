@@ -166,13 +166,14 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
 
             q, k, v, dout = rnd(cfg.heads).requires_grad_(), rnd(kvh).requires_grad_(), \
                 rnd(kvh).requires_grad_(), rnd(cfg.heads)
-            impls, inputs = {}, {}
+            impls, inputs, padding = {}, {}, {}
             for lay in cfg.layouts:
                 mask_kw, inputs[lay] = {}, (q, k, v, dout)
                 if cfg.docs or cfg.window:
                     work = workload(lay, n_ranks, n, cfg.docs, cfg.window)
                     mask_kw = {"cu_seqlens": torch.tensor(work.mask.bounds) if cfg.docs else None,
                                "window_size": (cfg.window, 0) if cfg.window else None}
+                    padding[lay] = work.padding_tokens
                     if work.local_len != n:  # zigzag's padded row
                         m = work.local_len
                         inputs[lay] = (rnd(cfg.heads, m).requires_grad_(), rnd(kvh, m).requires_grad_(),
@@ -231,11 +232,12 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 m = median(ts)
                 records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": m * 1e3,
                                 "speedup_vs_contiguous": base / m if base else None,
-                                "docs": cfg.docs, "window": cfg.window})
+                                "docs": cfg.docs, "window": cfg.window, "padding_tokens": padding.get(name, 0)})
             for name in cfg.peers:
                 if name not in samples or not samples[name]:
                     records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": None,
-                                    "speedup_vs_contiguous": None})
+                                    "speedup_vs_contiguous": None, "docs": cfg.docs, "window": cfg.window,
+                                    "padding_tokens": 0})
             for name, d in prof.items():
                 if d:
                     profile.append({"impl": name, "seq_len": seq, "rank": rank,
