@@ -9,6 +9,7 @@
 #    and writes sim_gpu.json / sim_gpu.png.  Add --link-gbps 25 (say) to model the ring link.
 # 2. run: a real NCCL run, one rank per GPU, with the peers (PyTorch ring CP, DeepSpeed-Ulysses)
 #    -- only when the machine has 2 or more GPUs (NCCL cannot put two ranks on one device).
+# 3. sim with packed documents and a sliding window (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_out}
@@ -22,6 +23,14 @@ SHAPE=(--batch 1 --heads 32 --head-dim 128 --dtype bfloat16)
 $PY -m striped_sp bench sim "${SHAPE[@]}" --device cuda --world-sizes 8 \
     --seq-lens 32768,65536,131072,262144 --reps 3 \
     --json "$OUT/sim_gpu.json" --plot "$OUT/sim_gpu.png"
+
+# 3. packed documents and a sliding window (varlen kernels: flash-attn when installed, else
+#    PyTorch's CUDA flash op): every (rank, step) timed, N = 8, 8192 tokens per rank.
+for MASK in "--docs lognormal:median=1024,sigma=1.2" "--window 4096" "--docs fixed:32"; do
+    TAG=$(echo "$MASK" | tr -c 'a-z0-9' '_')
+    $PY -m striped_sp bench sim "${SHAPE[@]}" --device cuda --world-sizes 8 --tokens-per-rank 8192 \
+        --reps 3 $MASK --json "$OUT/sim_gpu_$TAG.json"
+done
 
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
 if [ "$NGPU" -ge 2 ]; then
