@@ -35,7 +35,7 @@ TILE = 128
 #: causal squares of at least 2 * LEAF rows are halved into triangles and rectangles
 LEAF = 128
 #: smallest pack class (query rows)
-MIN_CLASS = 8
+MIN_CLASS = 16
 #: a full or causal segment with at least this many score entries is called directly
 DIRECT_ENTRIES = TILE * TILE
 #: items of one shape and band, at least this many and this tall, share one broadcast mask
@@ -200,7 +200,21 @@ def _pack_batch(q0, lq, k0, lk, lo, hi, cls: int) -> Batch:
     owner = torch.clamp(row_item, min=0).unsqueeze(2)
     mask = (row_item.unsqueeze(2) == col_item.unsqueeze(1)) & (d >= lo[owner]) & (d <= hi[owner])
     mask[:, :, 0] |= row_item < 0  # padding rows see the first key of their pack
-    return Batch(q_index, k_index, mask.unsqueeze(1), npacks, cq, ck, q_real, k_real)
+    return Batch(q_index, k_index, mask.unsqueeze(1), npacks, cq, ck, q_real, k_real,
+                 _strided(q_index, k_index, npacks, cq, ck) if q_real is None and k_real is None else None)
+
+
+def _strided(q_index, k_index, npacks: int, cq: int, ck: int) -> tuple | None:
+    """``(q_first, k_first, k_step)`` when the packs' rows are back to back and their keys are
+    windows at a fixed step (documents of one length, no padding), else ``None``."""
+    qi, ki = q_index.view(npacks, cq), k_index.view(npacks, ck)
+    if not bool((qi == qi[:1, :1] + torch.arange(npacks * cq).view(npacks, cq)).all()):
+        return None
+    step = int(ki[1, 0] - ki[0, 0]) if npacks > 1 else ck
+    expect = ki[:1, :1] + step * torch.arange(npacks).unsqueeze(1) + torch.arange(ck).unsqueeze(0)
+    if step <= 0 or not bool((ki == expect).all()):
+        return None
+    return int(qi[0, 0]), int(ki[0, 0]), step
 
 
 def _masked_batches(items) -> list:

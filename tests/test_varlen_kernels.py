@@ -251,16 +251,29 @@ def test_flash_attn_before_2_6_refuses_varlen(monkeypatch):
 def test_padding_rows_stay_finite_with_large_scores(backend):
     """Short documents packed with padding rows, and scores far above exp's float32 range: the
     padding rows must add nothing (no inf * 0) to any key's gradient."""
-    lens = [3, 5, 2]
-    cu = torch.tensor([0, 3, 8, 10])
-    segs = Segments(cu, cu, torch.full((3,), -1), torch.zeros(3, dtype=torch.int64))
+    lens = [3, 5, 2, 9, 7, 4]  # two packs: 19 and 11 rows, so the second has padding rows
+    cu = torch.tensor([0, 3, 8, 10, 19, 26, 30])
+    segs = Segments(cu, cu, torch.full((6,), -1), torch.zeros(6, dtype=torch.int64))
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 10, 2, 16, generator=gen) * 6
-    k = torch.randn(1, 10, 2, 16, generator=gen) * 6
-    k[:, 8] = q[:, 0]  # the first key of the last pack scores ~ |q0|^2 * 0.3 against row 0
-    v, dout = torch.randn(1, 10, 2, 16, generator=gen), torch.randn(1, 10, 2, 16, generator=gen)
-    assert sum(lens) == 10 and any(p.q_real is not None for p in varlen.schedule(segs).batches)
+    q = torch.randn(1, 30, 2, 16, generator=gen) * 6
+    k = torch.randn(1, 30, 2, 16, generator=gen) * 6
+    k[:, 19] = q[:, 0]  # the first key of the padded pack scores ~ |q0|^2 * 0.3 against row 0
+    v, dout = torch.randn(1, 30, 2, 16, generator=gen), torch.randn(1, 30, 2, 16, generator=gen)
+    assert sum(lens) == 30 and any(p.q_real is not None for p in varlen.schedule(segs).batches)
     got = _run(KERNELS[backend], q, k, v, dout, segs)
     for t in got:
         assert torch.isfinite(t).all()
     _check_against_reference(q, k, v, dout, segs, got, tol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+def test_equal_short_documents_run_on_strided_packs(backend):
+    """Documents of one length fill every pack exactly: the packs are strided views, no gathers."""
+    cu = torch.arange(0, 161, 4)
+    segs = Segments(cu, cu, torch.full((40,), -1), torch.zeros(40, dtype=torch.int64))
+    plan = varlen.schedule(segs)
+    assert plan.batches and all(p.strided is not None and p.mask.size(0) == p.packs for p in plan.batches)
+    gen = torch.Generator().manual_seed(5)
+    q, dout = torch.randn(1, 160, 4, 8, generator=gen), torch.randn(1, 160, 4, 8, generator=gen)
+    k, v = torch.randn(1, 160, 2, 8, generator=gen), torch.randn(1, 160, 2, 8, generator=gen)
+    _check_against_reference(q, k, v, dout, segs, _run(KERNELS[backend], q, k, v, dout, segs))
