@@ -127,6 +127,7 @@ def _cases(world):
                 # several tiles, direct calls and packs of every size class
                 ("long-docs-window", "gqa", torch.float32, 300, "mixed", (150, 0), True, "auto"),
                 ("long-docs", "mqa", torch.float32, 300, "mixed", None, True, "auto"),
+                ("long-window-bf16", "gqa", torch.bfloat16, 300, None, (150, 0), True, "auto"),
             ]
             for j, (name, heads, dtype, local_len, docs, window, causal, backend) in enumerate(specs):
                 cases.append((f"N{n}-{layout}-{name}", check_masked,
