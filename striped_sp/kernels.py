@@ -26,10 +26,6 @@ Packed documents and sliding windows add two entry points (:mod:`striped_sp.varl
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from typing import Callable
-
 import torch
 
 __all__ = ["Kernel", "KERNELS", "available_backends", "resolve_kernel"]
@@ -324,132 +320,7 @@ class TorchKernel(Kernel):
         native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
 
 
-def _installed_version(module: str, dist_name: str) -> tuple[int, ...] | None:
-    """(major, minor) of an installed package, or ``None`` when unknown."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return None
-    text = getattr(mod, "__version__", None)
-    if text is None:
-        try:
-            from importlib.metadata import PackageNotFoundError, version
-
-            text = version(dist_name)
-        except (ImportError, PackageNotFoundError):
-            return None
-    if not text:
-        return None
-    parts = []
-    for piece in str(text).split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            return None
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def _call_with_supported_kwargs(fn: Callable, **kwargs):
-    """Call ``fn`` with the keyword arguments its signature accepts (flash-attn's private
-    functions gained and renamed parameters across 2.x releases)."""
-    # From 2.7 on (with torch >= 2.4) they are torch.library custom ops whose __call__ takes
-    # (*args, **kwargs): read the parameters of the wrapped function instead.
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
-    if "window_size_left" not in params and "window_size" in params:
-        kwargs["window_size"] = (kwargs.pop("window_size_left", -1), kwargs.pop("window_size_right", -1))
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
-
-
-class FlashAttnKernel(Kernel):
-    """flash-attn 2's forward/backward (``flash_attn.flash_attn_interface``), GQA native.
-
-    Needs the ``flash`` extra (``pip install 'striped_sp[flash]'``) and a CUDA device.
-    """
-
-    name = "flash_attn"
-    module_name = "flash_attn.flash_attn_interface"
-
-    def _module(self):
-        return importlib.import_module(self.module_name)
-
-    def unavailable_reason(self, device, dtype, head_dim=None):
-        try:
-            self._module()
-        except ImportError:
-            return "flash-attn is not installed: pip install 'striped_sp[flash]'"
-        if device.type != "cuda":
-            return f"flash-attn runs on CUDA devices only, got device '{device}'"
-        if dtype not in _HALF_DTYPES:
-            return f"flash-attn needs float16 or bfloat16, got {dtype}"
-        if head_dim is not None and (head_dim % 8 != 0 or head_dim > 256):
-            return f"flash-attn needs head_dim a multiple of 8 and at most 256, got {head_dim}"
-        return None
-
-    def forward(self, q, k, v, causal, scale):
-        res = _call_with_supported_kwargs(
-            self._module()._flash_attn_forward,
-            q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-            return_softmax=False,
-        )
-        # 2.6+: (out, lse, S_dmask, rng_state); earlier 2.x: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
-        out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
-        return out, lse[:, :, : q.size(1)].float().contiguous()
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call_with_supported_kwargs(
-            self._module()._flash_attn_backward,
-            dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
-            dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-            deterministic=False, rng_state=None,
-        )
-        return dq, dk, dv
-
-    def varlen_unavailable_reason(self):
-        # before 2.6 the varlen lse came back padded, [num_seqs, h, max_seqlen_q]
-        version = _installed_version("flash_attn", "flash-attn")
-        if version is not None and version < (2, 6):
-            return (f"flash-attn {'.'.join(map(str, version))} returns a padded varlen lse; "
-                    "packed documents and windows need flash-attn >= 2.6 (or backend='torch')")
-        return None
-
-    def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
-        from .varlen import native_varlen_forward
-
-        mod = self._module()
-
-        def call(qg, kg, vg, cu_q, cu_k, mq, mk, wl, wr):
-            res = _call_with_supported_kwargs(
-                mod._flash_attn_varlen_forward,
-                q=qg, k=kg, v=vg, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
-                dropout_p=0.0, softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl,
-                window_size_right=wr, softcap=0.0, alibi_slopes=None, return_softmax=False,
-            )
-            # 2.6+: (out, lse [h, total_q], S_dmask, rng_state); earlier: lse at index 5
-            return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
-
-        native_varlen_forward(call, q, k, v, segments, acc_out, acc_lse)
-
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
-        from .varlen import native_varlen_backward
-
-        mod = self._module()
-
-        def call(dog, qg, kg, vg, og, lg, cu_q, cu_k, mq, mk, wl, wr):
-            dq, dk, dv = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
-            _call_with_supported_kwargs(
-                mod._flash_attn_varlen_backward,
-                dout=dog, q=qg, k=kg, v=vg, out=og, softmax_lse=lg, dq=dq, dk=dk, dv=dv,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0,
-                softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl, window_size_right=wr,
-                softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
-            )
-            return dq, dk, dv
-
-        native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
-
+from .kernels_flash_attn import FlashAttnKernel  # noqa: E402  (it subclasses Kernel)
 
 KERNELS: dict[str, Kernel] = {
     k.name: k for k in (TorchKernel(), TorchKernel("cudnn"), FlashAttnKernel(), MathKernel())
