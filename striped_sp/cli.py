@@ -259,6 +259,12 @@ def _masked_sim(args, device, dtype) -> int:
 
     if args.seq_lens:
         raise SystemExit("striped-sp bench sim: with --docs/--window give --tokens-per-rank, not --seq-lens")
+    if args.batch != 1:
+        raise SystemExit(f"striped-sp bench sim: --batch {args.batch} with --docs/--window: the masked "
+                         "simulation runs one packed row (batch 1)")
+    if args.every_block:
+        raise SystemExit("striped-sp bench sim: --every-block with --docs/--window: every (rank, step) "
+                         "is timed separately already")
     tprs = args.tokens_per_rank or [4096]
     cfg = SimConfig(layouts=tuple(args.layouts), world_sizes=tuple(args.world_sizes), heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,

@@ -84,3 +84,9 @@ def test_masked_run_smoke(tmp_path, capsys):
     assert len(ours) == 3 and all(r["median_ms"] > 0 and r["docs"] == "fixed:7" for r in ours)
     assert "padding tokens" in capsys.readouterr().out  # zigzag pads documents of 7 to 8
     assert next(r for r in recs if r["impl"] == "zigzag")["padding_tokens"] > 0
+
+
+def test_masked_sim_refuses_what_it_cannot_honour():
+    for extra in (["--batch", "2"], ["--every-block"], ["--seq-lens", "64"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "sim", "--world-sizes", "2", "--docs", "fixed:4", "--device", "cpu", "--no-progress", *extra])
