@@ -100,9 +100,10 @@ class Layout:
         """Position step between consecutive local tokens inside one run."""
         return 1
 
-    def runs(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> list[tuple[int, int, int]]:
+    def runs(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None):
         """This rank's tokens as runs ``(local_start, first_position, count)`` of step
-        :meth:`stride`, in local order (positions increase along the local index)."""
+        :meth:`stride`, in local order (positions increase along the local index): a list of
+        triples or an int64 tensor ``[runs, 3]``."""
         raise NotImplementedError
 
     def positions(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> torch.Tensor:
@@ -111,10 +112,11 @@ class Layout:
         ``cu_seqlens`` (document boundaries of the packed row, a list of ints) changes the
         positions of ``zigzag`` only."""
         self.check_seq_len(seq_len, world_size)
-        step = self.stride(world_size)
-        parts = [torch.arange(p, p + c * step, step, dtype=torch.int64)
-                 for _, p, c in self.runs(seq_len, world_size, rank, cu_seqlens)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        runs = torch.as_tensor(self.runs(seq_len, world_size, rank, cu_seqlens), dtype=torch.int64).view(-1, 3)
+        count = runs[:, 2]
+        run = torch.repeat_interleave(torch.arange(runs.size(0)), count)
+        offset = torch.arange(run.numel()) - (torch.cumsum(count, 0) - count)[run]
+        return runs[run, 1] + self.stride(world_size) * offset
 
     def causal_plan(self, rank: int, source: int, world_size: int, local_len: int) -> list[BlockCall]:
         raise NotImplementedError
@@ -151,14 +153,14 @@ class Zigzag(Layout):
     seq_multiple = 2
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
-        bounds = [0, seq_len] if cu_seqlens is None else list(cu_seqlens)
-        out, local = [], 0
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            c = (end - start) // (2 * world_size)
-            out.append((local, start + rank * c, c))
-            out.append((local + c, start + (2 * world_size - 1 - rank) * c, c))
-            local += 2 * c
-        return out
+        # two runs per document (its chunks rank and 2N-1-rank), vectorised: rows can pack thousands
+        bounds = torch.tensor([0, seq_len] if cu_seqlens is None else list(cu_seqlens), dtype=torch.int64)
+        start = bounds[:-1]
+        c = (bounds[1:] - start) // (2 * world_size)
+        local = torch.cumsum(2 * c, 0) - 2 * c
+        first = torch.stack([local, start + rank * c, c], 1)
+        second = torch.stack([local + c, start + (2 * world_size - 1 - rank) * c, c], 1)
+        return torch.stack([first, second], 1).reshape(-1, 3)
 
     def causal_plan(self, rank, source, world_size, local_len):
         half = local_len // 2

@@ -247,7 +247,7 @@ def _as_index(rows: torch.Tensor) -> slice | torch.Tensor:
 def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
     """This rank's runs cut at document bounds: ``(doc, local_start, first_pos, count)`` int64."""
     stride = layout.stride(world_size)
-    runs = torch.tensor(layout.runs(spec.seq_len, world_size, rank, spec.bounds), dtype=torch.int64).view(-1, 3)
+    runs = torch.as_tensor(layout.runs(spec.seq_len, world_size, rank, spec.bounds), dtype=torch.int64).view(-1, 3)
     runs = runs[runs[:, 2] > 0]
     local0, pos0, count = runs.t().contiguous().unbind(0)
     starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
@@ -264,12 +264,17 @@ def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
     return doc, local0[run] + a0, pos0[run] + a0 * stride, a1 - a0
 
 
-def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int) -> list[SegmentCall]:
+def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, pieces=None) -> list[SegmentCall]:
     """The varlen calls that cover exactly the visible entries of queries on ``rank`` against
-    keys from ``source`` (local indices); ``[]`` when nothing is visible."""
+    keys from ``source`` (local indices); ``[]`` when nothing is visible.  ``pieces``: an optional
+    cache ``{rank: pieces}`` shared by the blocks of one ring."""
     stride = layout.stride(world_size)
-    qd, ql, qp, qn = _pieces(layout, spec, world_size, rank)
-    kd, kl, kp, kn = _pieces(layout, spec, world_size, source)
+    pieces = {} if pieces is None else pieces
+    for r in (rank, source):
+        if r not in pieces:
+            pieces[r] = _pieces(layout, spec, world_size, r)
+    qd, ql, qp, qn = pieces[rank]
+    kd, kl, kp, kn = pieces[source]
     first = torch.searchsorted(kd, qd)
     reps = torch.searchsorted(kd, qd, right=True) - first
     qi = torch.repeat_interleave(torch.arange(qd.numel()), reps)
@@ -320,7 +325,8 @@ def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int) -> list[list[
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
-    plans = [block_plan(layout, spec, world_size, rank, (rank - t) % world_size) for t in range(world_size)]
+    pieces: dict = {}
+    plans = [block_plan(layout, spec, world_size, rank, (rank - t) % world_size, pieces) for t in range(world_size)]
     with _CACHE_LOCK:
         _CACHE[key] = plans
         while len(_CACHE) > _CACHE_SIZE:
