@@ -205,9 +205,11 @@ def _band_entries(lq, lk, lo, hi) -> torch.Tensor:
 
 @dataclasses.dataclass
 class SegmentCall:
-    """One varlen kernel call of a ring block: ``q`` / ``kv`` index the local rows (a ``slice`` when
-    they are one contiguous range, else an int64 tensor, in packed order) and ``segments`` the
-    bands.  Query rows are distinct inside a call; key rows may repeat."""
+    """One varlen kernel call of a ring block: ``segments`` (the bands, with their local row
+    starts: what the kernels run) and ``entries`` (visible score entries, for the work model).
+    ``q`` / ``kv`` list the call's local rows in packed order (a ``slice`` when they are one
+    contiguous range, else an int64 tensor), for inspection and tests.  Query rows are distinct
+    inside a call; key rows may repeat."""
 
     q: slice | torch.Tensor
     kv: slice | torch.Tensor
