@@ -121,19 +121,23 @@ class _RingAttention(torch.autograd.Function):
             kv_transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
             block_grads = []
             with _settle_on_error(kv_transfer, dkv_transfer):
-                if masked and plans[step]:
-                    dk_b = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                    dv_b = torch.zeros_like(dk_b)
+                if masked:
+                    # varlen calls add dQ in place and this block's dK / dV into fresh buffers
+                    if plans[step]:
+                        dk_b = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                        dv_b = torch.zeros_like(dk_b)
+                        for call in plans[step]:
+                            kernel.backward_varlen(dout, q, k_cur, v_cur, out, lse, call.segments, scale,
+                                                   dq, dk_b, dv_b)
+                        block_grads.append((slice(None), dk_b, dv_b))
+                else:
                     for call in plans[step]:
-                        kernel.backward_varlen(dout, q, k_cur, v_cur, out, lse, call.segments, scale, dq, dk_b, dv_b)
-                    block_grads.append((slice(None), dk_b, dv_b))
-                for call in [] if masked else plans[step]:
-                    dq_b, dk_b, dv_b = kernel.backward(
-                        dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
-                        out[:, call.q], lse[:, :, call.q], call.causal, scale,
-                    )
-                    dq[:, call.q] += dq_b
-                    block_grads.append((call.kv, dk_b, dv_b))
+                        dq_b, dk_b, dv_b = kernel.backward(
+                            dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
+                            out[:, call.q], lse[:, :, call.q], call.causal, scale,
+                        )
+                        dq[:, call.q] += dq_b
+                        block_grads.append((call.kv, dk_b, dv_b))
             # The dK/dV accumulator of this block arrives while the kernels above ran.
             if dkv_transfer is None:
                 dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
