@@ -2,7 +2,9 @@
 
 One spawn of 4 ranks runs every case: Megatron's parallel_state has CP=4; CP=2 uses the
 sub-groups [0, 2] and [1, 3] (non-adjacent ranks), CP=1 a group per rank.  The CP=1
-reference model uses an independent core attention (torch SDPA on the whole sequence).
+reference model runs an independent float64 core attention on the whole sequence
+(``megatron_reference``), put into the built model, so an adapter bug cannot cancel out: the
+``adapter-bug-is-caught`` case checks that a 1% error in our softmax scale fails the comparison.
 """
 
 import itertools
@@ -12,11 +14,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import striped_sp
 from dist_helper import run_cases
-from reference import rel_err
+from megatron_reference import compare, document_mask, use_reference_attention
 
 pytest.importorskip("megatron.core")
 
@@ -28,22 +29,6 @@ SEQ = 40  # a multiple of 2 * 4, not a power of two
 VOCAB = 48
 
 _env = {}
-
-
-class ReferenceCoreAttention(torch.nn.Module):
-    """Megatron's core-attention contract on one rank: torch SDPA over the whole sequence."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
-        super().__init__()
-        self.scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        out = out.permute(2, 0, 1, 3)
-        return out.reshape(out.size(0), out.size(1), -1)
 
 
 def _setup():
@@ -79,12 +64,9 @@ def _loss(model, b):
     return (out * b["loss_mask"]).sum()
 
 
-def check_gpt(cp, algo, pos, heads, seed, mtp=None):
+def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None):
     env = _setup()
     import striped_sp.megatron as sm
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from striped_sp.megatron.spec import replace_core_attention
     from striped_sp.megatron.toy import tiny_gpt
 
     sm.install(algo)  # RoPE slicing and MTP roll follow the algo under test
@@ -93,9 +75,13 @@ def check_gpt(cp, algo, pos, heads, seed, mtp=None):
                   position_embedding_type=pos, seed=seed, mtp_layers=mtp)
     if mtp:  # Megatron divides the MTP loss by each CP rank's own token count unless per-token
         common["calculate_per_token_loss"] = True
-    ref_spec = replace_core_attention(get_gpt_layer_local_spec(), ModuleSpec(module=ReferenceCoreAttention))
-    ref = tiny_gpt(env[1], algo, spec=ref_spec, **common)
+    ref = tiny_gpt(env[1], algo, **common)
+    use_reference_attention(ref, ref.config)
     model = tiny_gpt(env[cp], algo, **common)
+    if scale_error is not None:  # a deliberate adapter bug: the comparison must catch it
+        for module in model.modules():
+            if isinstance(module, sm.ContextParallelAttention):
+                module.softmax_scale *= 1 + scale_error
     if mtp:  # MTP's training-mode loss logging is CUDA-only; its loss still reaches the grads
         ref.eval()
         model.eval()
@@ -106,17 +92,12 @@ def check_gpt(cp, algo, pos, heads, seed, mtp=None):
     local = sm.get_batch_on_this_cp_rank(b, algo, cp_group=env[cp])
     loss = _loss(model, local)
     loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=env[cp])
-    assert rel_err(total, ref_loss.detach()) < 1e-5, (total.item(), ref_loss.item())
-    bad = {}
-    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g, group=env[cp])
-        err = rel_err(g, p_ref.grad)
-        if not err < 1e-4:
-            bad[name] = err
-    assert not bad, f"seed={seed}: gradient errors above 1e-4: {bad}"
+    compare(model, ref, loss, ref_loss, env[cp], seed)
+
+
+def check_adapter_bug_is_caught(seed):
+    with pytest.raises(AssertionError):
+        check_gpt(2, "striped", "rope", "gqa", seed, scale_error=0.01)
 
 
 def check_batch_slicing(cp, algo, seed):
@@ -126,9 +107,13 @@ def check_batch_slicing(cp, algo, seed):
     group = env[cp]
     rank = dist.get_rank(group)
     b = _batch(seed)
-    b["attention_mask"] = torch.rand(2, 1, SEQ, SEQ, generator=torch.Generator().manual_seed(seed)) > 0.5
+    rows = [(0, 7, 8, 30, SEQ), (0, SEQ)]
+    b["attention_mask"] = torch.cat([document_mask(r, SEQ) for r in rows])
     b["cu_seqlens"] = None
     got = sm.get_batch_on_this_cp_rank(b, algo, cp_group=group)
+    from striped_sp.megatron import packed
+
+    assert packed.attached(got["attention_mask"]) == tuple(rows)
     assert list(got) == list(b)
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         assert torch.equal(got[key], striped_sp.shard(b[key], cp, rank, dim=1, layout=ALGOS[algo])), key
@@ -203,6 +188,7 @@ def _cases():
         cases.append((f"gpt-cp{cp}-{algo}-{pos}-{heads}", check_gpt, (cp, algo, pos, heads, SEED)))
     cases.append(("gpt-cp2-striped-mtp", check_gpt, (2, "striped", "rope", "gqa", SEED + 7, 1)))
     cases.append(("gpt-cp4-ring-mtp", check_gpt, (4, "ring", "learned_absolute", "mha", SEED + 8, 1)))
+    cases.append(("adapter-bug-is-caught", check_adapter_bug_is_caught, (SEED + 9,)))
     for cp, algo in itertools.product([2, 4], ALGOS):
         cases.append((f"slice-cp{cp}-{algo}", check_batch_slicing, (cp, algo, SEED + 1)))
         cases.append((f"roll-cp{cp}-{algo}", check_mtp_roll, (cp, algo, -1, SEED + 2)))

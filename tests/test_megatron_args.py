@@ -49,6 +49,9 @@ def test_valid_settings_pass():
     sm.validate_args(_args(context_parallel_size=1, context_parallel_algo="native", attention_dropout=0.1))
     sm.validate_args(_args(seq_length=4 * 3 * 5))  # striped needs only a multiple of CP
     sm.validate_args(_args(cp_comm_type="p2p"))
+    # packed rows, EOD-reset documents and windows, with the per-token loss where ranks differ
+    sm.validate_args(_args(sft=True, eod_mask_loss=True, calculate_per_token_loss=True))
+    sm.validate_args(_args(reset_attention_mask=True, reset_position_ids=True, window_size=(64, 0)))
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -59,8 +62,10 @@ def test_valid_settings_pass():
     (dict(cp_comm_type=["p2p", "a2a+p2p"]), "--cp-comm-type"),
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     (dict(attention_dropout=0.1), "--attention-dropout 0"),
-    (dict(sft=True), "packed THD"),
-    (dict(reset_attention_mask=True), "--reset-attention-mask"),
+    (dict(sft=True), "--calculate-per-token-loss"),
+    (dict(eod_mask_loss=True), "--calculate-per-token-loss"),
+    (dict(reset_attention_mask=True, create_attention_mask_in_dataloader=False),
+     "--no-create-attention-mask-in-dataloader"),
     (dict(hierarchical_context_parallel_sizes=[2, 2]), "--hierarchical-context-parallel-sizes"),
     (dict(qk_clip=True), "--qk-clip"),
     (dict(log_max_attention_logit=True), "--log-max-attention-logit"),

@@ -109,8 +109,8 @@ def test_core_attention_rejects_unsupported_settings():
     assert attn.layout == "contiguous" and attn.cp_group is group
     q = torch.randn(6, 1, 4, 8)
     kv = torch.randn(6, 1, 2, 8)
-    with pytest.raises(ValueError, match="packed THD"):
-        attn(q, kv, kv, None, packed_seq_params=object())
+    with pytest.raises(ValueError, match="'thd' format only"):
+        attn(q, kv, kv, None, packed_seq_params=types.SimpleNamespace(qkv_format="sbhd"))
     with pytest.raises(ValueError, match="inference/generation"):
         attn(q, kv[:3], kv[:3], None)
     with pytest.raises(ValueError, match="attn_mask_type"):
@@ -295,13 +295,13 @@ def test_replacements_fall_back_after_uninstall():
     assert copy_taken_while_installed(batch, _FakeGroup(1, 0))["tokens"].shape == (1, 8)
 
 
-def test_installed_thd_slicing_refuses():
+def test_installed_hybrid_slicing_refuses():
     from megatron.core import utils as core_utils
 
     try:
         sm.install("striped")
-        with pytest.raises(ValueError, match="packed THD"):
-            core_utils.get_thd_batch_on_this_cp_rank({}, None, None, None)
+        with pytest.raises(ValueError, match="hybrid context parallelism"):
+            core_utils.get_batch_on_this_hybrid_cp_rank({}, 2)
     finally:
         sm.uninstall()
 

@@ -135,24 +135,19 @@ def validate_args(args) -> None:
             f"{flag} does not support attention dropout yet (got {dropout}): "
             "set --attention-dropout 0"
         )
-    if getattr(args, "sft", False):
+    if getattr(args, "reset_attention_mask", False) and not getattr(
+            args, "create_attention_mask_in_dataloader", True):
         raise ValueError(
-            f"{flag} does not support packed THD sequences yet (--sft packs them): "
-            "drop --sft or use --context-parallel-algo native"
+            f"{flag} reads the documents of --reset-attention-mask from the attention mask: drop "
+            "--no-create-attention-mask-in-dataloader"
         )
-    if getattr(args, "reset_attention_mask", False):
-        raise ValueError(
-            f"{flag} runs a plain causal mask and does not support per-document masks yet: "
-            "drop --reset-attention-mask"
-        )
+    _check_loss_weighting(args, flag)
     if getattr(args, "use_legacy_models", False):
         raise ValueError(f"{flag} needs megatron-core models: drop --use-legacy-models")
     if getattr(args, "multi_latent_attention", False):
         raise ValueError(
             f"{flag} does not support multi-latent attention yet: drop --multi-latent-attention"
         )
-    if getattr(args, "window_size", None) is not None:
-        raise ValueError(f"{flag} does not support sliding-window attention yet: drop --window-size")
     for name in ("qk_clip", "log_max_attention_logit"):
         if getattr(args, name, False):
             raise ValueError(
@@ -163,4 +158,21 @@ def validate_args(args) -> None:
         raise ValueError(
             f"{flag} sends and receives inside attention and cannot be captured in CUDA graphs yet: "
             "set --cuda-graph-impl none (and drop --external-cuda-graph / --enable-cuda-graph)"
+        )
+
+
+def _check_loss_weighting(args, flag: str) -> None:
+    """With masked loss tokens (``--eod-mask-loss``, or the padding and prompts that ``--sft``
+    masks) each CP rank holds a different number of counted tokens.  Megatron then divides every
+    rank's loss by its own count, which weights ranks unequally: only the per-token loss (summed
+    over DP x CP, divided by the global count) gives the gradient of the loss without CP."""
+    if getattr(args, "calculate_per_token_loss", False):
+        return
+    masked = [name for name, on in (("--eod-mask-loss", getattr(args, "eod_mask_loss", False)),
+                                    ("--sft", getattr(args, "sft", False))) if on]
+    if masked:
+        raise ValueError(
+            f"{flag} with {' and '.join(masked)} gives each CP rank a different number of loss tokens, "
+            "and Megatron would weight the ranks unequally: add --calculate-per-token-loss (the exact "
+            "per-token loss over the whole CP group)"
         )

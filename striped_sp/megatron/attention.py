@@ -4,7 +4,10 @@ It has the constructor and forward contract of megatron-core 0.16.1's core atten
 (``DotProductAttention`` / ``TEDotProductAttention``): ``[s, b, heads, head_dim]`` query and
 ``[s, b, kv_heads, head_dim]`` key/value in, ``[s, b, heads * head_dim]`` out.  The CP group
 comes from ``pg_collection.cp`` (else Megatron's parallel_state); the layout from ``algo``.
-Every check runs in the constructor or before the ring starts.
+Packed THD rows (``packed_seq_params``: ``[t, heads, head_dim]`` in, ``[t, heads * head_dim]``
+out), document masks from ``--reset-attention-mask`` and ``--window-size`` (with
+``window_attn_skip_freq``) become the ring's documents and window.  Every check runs in the
+constructor or before the ring starts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import ring_attention
+from ..layouts import positions
+from . import packed
 from .arguments import layout_of
 
 __all__ = ["ContextParallelAttention"]
@@ -88,8 +93,7 @@ class ContextParallelAttention(MegatronModule):
             raise ValueError(
                 f"{flag} supports self-attention only (got attention_type={attention_type!r})"
             )
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError(f"{flag} does not support sliding-window attention yet: drop --window-size")
+        self.window_size = _layer_window(config, self.layer_number)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(
                 f"{flag} supports --softmax-type vanilla only (got {config.softmax_type!r})"
@@ -120,6 +124,19 @@ class ContextParallelAttention(MegatronModule):
             softmax_scale = 1.0 / math.sqrt(head_dim)
         self.softmax_scale = float(softmax_scale)
 
+    def _documents(self, attention_mask, local_len: int, batch: int):
+        """Per-row document bounds of a bshd batch from its mask, or ``None`` (one document)."""
+        if attention_mask is None:
+            return None
+        documents = packed.attached(attention_mask)
+        if documents is None:
+            documents = _vet_local_mask(attention_mask, self.cp_group, self.layout, local_len)
+        if all(len(b) == 2 for b in documents):
+            return None
+        if len(documents) not in (1, batch):
+            raise ValueError(f"attention_mask holds {len(documents)} rows of documents for a batch of {batch}")
+        return documents
+
     def forward(
         self,
         query: torch.Tensor,
@@ -130,17 +147,20 @@ class ContextParallelAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """``[sq, b, heads, d]``, ``[sk, b, kv_heads, d]`` x2 -> ``[sq, b, heads * d]``.
+        """``[sq, b, heads, d]``, ``[sk, b, kv_heads, d]`` x2 -> ``[sq, b, heads * d]``; with THD
+        ``packed_seq_params``: ``[t, heads, d]``, ``[t, kv_heads, d]`` x2 -> ``[t, heads * d]``.
 
-        ``attention_mask`` is ignored for a causal ``attn_mask_type``, as Transformer Engine
-        does: the causal mask is applied on global positions by the ring.
+        The causal mask is applied on global positions by the ring.  ``attention_mask`` (bool,
+        ``True`` = masked) may only be causal inside documents: the documents come from the batch
+        slicing (``--reset-attention-mask``); a mask from elsewhere must be plain causal.
         """
         flag = f"--context-parallel-algo {self.algo}"
-        if packed_seq_params is not None:
-            raise ValueError(
-                f"{flag} does not support packed THD sequences yet: drop sequence packing "
-                "(--sft) or use --context-parallel-algo native"
-            )
+        thd = packed_seq_params is not None
+        if thd and getattr(packed_seq_params, "qkv_format", None) != "thd":
+            raise ValueError(f"{flag} supports packed rows in the 'thd' format only (got "
+                             f"qkv_format={getattr(packed_seq_params, 'qkv_format', None)!r})")
+        if thd and query.dim() == 3:
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         if attention_bias is not None:
             raise ValueError(f"{flag} does not support an attention bias yet")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -153,8 +173,6 @@ class ContextParallelAttention(MegatronModule):
             raise ValueError(
                 f"{flag} supports causal or no-mask attention only (got attn_mask_type={name})"
             )
-        if name == "padding_causal" and attention_mask is not None:
-            raise ValueError(f"{flag} does not support padding masks yet (attn_mask_type={name})")
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(
                 f"{flag}: expected [s, b, heads, head_dim] query/key/value, got shapes "
@@ -178,11 +196,78 @@ class ContextParallelAttention(MegatronModule):
                 f"{flag}: no context-parallel group: initialize Megatron's parallel_state or "
                 "pass pg_collection with a cp group"
             )
-        out = ring_attention(
-            q, k, v, self.cp_group,
-            layout=self.layout, causal=causal,
-            softmax_scale=self.softmax_scale, backend=self.backend,
-        )
+        size = _group_size(self.cp_group)
+        seq_len = q.size(1) * size
+        if thd:
+            if q.size(0) != 1:
+                raise ValueError(f"{flag}: packed THD rows have batch 1, got query {tuple(query.shape)}")
+            bounds = packed.documents_of(packed_seq_params, seq_len, self.layout)
+            if not causal and self.layout == "zigzag" and _padded(packed_seq_params):
+                raise ValueError(f"{flag}: zigzag keeps padding inside its document, which only causal "
+                                 "attention ignores: use --context-parallel-algo striped for this mask")
+            rows = [bounds if len(bounds) > 2 else None]
+        else:
+            documents = self._documents(attention_mask, q.size(1), q.size(0))
+            rows = None if documents is None else [documents[i % len(documents)] for i in range(q.size(0))]
+        if rows is None or rows == [None]:
+            out = self._ring(q, k, v, causal, None)
+        elif self.layout == "striped":
+            # A [b, s/N] striped shard is the striped shard of the b rows laid end to end.
+            flat = packed.flatten_rows(tuple(rows), len(rows))
+            out = self._ring(*(t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v)), causal, flat)
+            out = out.view(q.shape)
+        else:
+            out = torch.cat([self._ring(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal, rows[i])
+                             for i in range(q.size(0))])
+        if thd:  # [1, t, h, d] -> [t, h * d]
+            return out[0].reshape(out.size(1), -1)
         # [b, s, h, d] -> [s, b, h * d]
         out = out.transpose(0, 1)
         return out.reshape(out.size(0), out.size(1), -1)
+
+    def _ring(self, q, k, v, causal: bool, cu_seqlens):
+        return ring_attention(
+            q, k, v, self.cp_group,
+            layout=self.layout, causal=causal,
+            softmax_scale=self.softmax_scale, backend=self.backend,
+            cu_seqlens=cu_seqlens, window_size=self.window_size,
+        )
+
+
+def _padded(params) -> bool:
+    pad = getattr(params, "cu_seqlens_q_padded", None)
+    return pad is not None and not torch.equal(torch.as_tensor(pad).cpu(), torch.as_tensor(params.cu_seqlens_q).cpu())
+
+
+def _layer_window(config, layer_number: int):
+    """The ``(left, right)`` window of this layer (``--window-size``, with
+    ``window_attn_skip_freq`` choosing the full-attention layers), or ``None``."""
+    window = getattr(config, "window_size", None)
+    if window is None:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    try:
+        from megatron.core.transformer.utils import is_layer_window_attention
+    except ImportError:  # megatron-core without per-layer patterns
+        return tuple(window) if skip is None else None
+    return tuple(window) if is_layer_window_attention(window, skip, layer_number) else None
+
+
+def _vet_local_mask(mask: torch.Tensor, group, layout: str, local_len: int):
+    """A mask that did not come through our batch slicing: accept it only if its local rows are
+    the plain causal mask (what the ring runs); documents need :func:`get_batch_on_this_cp_rank`."""
+    size = _group_size(group)
+    rank = 0 if group is None else group.rank()
+    rows = positions(local_len * size, size, rank, layout).to(mask.device)
+    m = mask[:, 0] if mask.dim() == 4 else mask
+    if m.dim() != 3 or m.size(1) != local_len or m.size(2) != local_len * size:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}: expected [b, 1, {local_len}, "
+                         f"{local_len * size}] (this rank's query rows, every key)")
+    documents = packed.documents_from_mask(mask, rows=rows)
+    if any(len(b) > 2 for b in documents):
+        raise ValueError(
+            "attention_mask has documents (--reset-attention-mask) but did not come through "
+            "striped_sp's batch slicing, so the other ranks' document starts are unknown: slice batches "
+            "with striped_sp.megatron.get_batch_on_this_cp_rank (install() makes Megatron's own do it)")
+    packed.attach(mask, documents)
+    return documents

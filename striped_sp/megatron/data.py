@@ -2,8 +2,11 @@
 
 Megatron's loader gives every CP rank the full sequence; :func:`get_batch_on_this_cp_rank`
 keeps this rank's tokens in the algo's layout (labels were shifted on the full sequence, so
-no target is lost at shard edges).  :func:`roll_tensor` is the layout-aware counterpart of
-megatron-core's ``multi_token_prediction.roll_tensor`` (shift along the *global* sequence).
+no target is lost at shard edges), and :func:`get_thd_batch_on_this_cp_rank` does the same for
+packed THD rows.  An ``attention_mask`` (``--reset-attention-mask``) is read for its documents,
+which travel with the sliced mask to the ring.  :func:`roll_tensor` is the layout-aware
+counterpart of megatron-core's ``multi_token_prediction.roll_tensor`` (shift along the *global*
+sequence, inside each document of a packed row).
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..layouts import shard, unshard
+from ..layouts import get_layout, shard, unshard
+from . import packed
 from .arguments import check_algo, layout_of
 
-__all__ = ["get_batch_on_this_cp_rank", "roll_tensor", "cp_size_and_rank"]
+__all__ = ["get_batch_on_this_cp_rank", "get_thd_batch_on_this_cp_rank", "roll_tensor", "cp_size_and_rank"]
+
+_THD_SKIP = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
 def cp_size_and_rank(cp_group=None) -> tuple[int, int]:
@@ -54,8 +60,9 @@ def get_batch_on_this_cp_rank(
     """This CP rank's part of ``batch`` in ``algo``'s layout.
 
     Tensors are sliced along dim 1 (``tokens``, ``labels``, ``loss_mask``, ``position_ids``: ``[b, s]``)
-    or, for ``attention_mask`` (``[b, 1, s, s]``), along dim 2 (its query rows).  ``None`` and
-    non-tensor values pass through.  Returns a new dict in the same key order.  ``algo="native"``
+    or, for ``attention_mask`` (``[b, 1, s, s]``), along dim 2 (its query rows).  The mask must be
+    causal inside documents (``--reset-attention-mask``); its documents are attached to the sliced
+    mask for the ring (:mod:`.packed`).  ``None`` and non-tensor values pass through.  Returns a new dict in the same key order.  ``algo="native"``
     calls megatron-core's own slicing.  Every length is checked before anything is sliced.
     """
     check_algo(algo)
@@ -64,8 +71,13 @@ def get_batch_on_this_cp_rank(
         return fn(batch, cp_group=cp_group)
     layout = layout_of(algo)
     size, rank = cp_size_and_rank(cp_group)
+    mask = batch.get("attention_mask")
+    documents = packed.documents_from_mask(mask) if isinstance(mask, torch.Tensor) else None
     if size == 1:
-        return dict(batch)
+        out = dict(batch)
+        if documents is not None:
+            packed.attach(mask, documents)
+        return out
     dims = {}
     for key, val in batch.items():
         if not isinstance(val, torch.Tensor):
@@ -80,13 +92,75 @@ def get_batch_on_this_cp_rank(
         lens = {k: batch[k].size(d) for k, d in dims.items()}
         if len(set(lens.values())) != 1:
             raise ValueError(f"batch tensors disagree on the sequence length: {lens}")
-        from ..layouts import get_layout
-
         get_layout(layout).check_seq_len(next(iter(lens.values())), size)
-    return {
+    out = {
         key: shard(val, size, rank, dim=dims[key], layout=layout) if key in dims else val
         for key, val in batch.items()
     }
+    if documents is not None:
+        packed.attach(out["attention_mask"], documents)
+    return out
+
+
+def get_thd_batch_on_this_cp_rank(
+    batch: Dict[str, Any],
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: Optional[torch.Tensor],
+    max_seqlen,
+    cp_size: Optional[int] = None,
+    cp_rank: Optional[int] = None,
+    *,
+    algo: str = "striped",
+    cp_group: Optional[dist.ProcessGroup] = None,
+):
+    """This CP rank's part of a packed THD row, and its ``PackedSeqParams``.
+
+    The arguments are megatron-core's ``get_thd_batch_on_this_cp_rank``'s: ``batch`` holds
+    ``[1, t]`` tensors of the whole buffer; ``cu_seqlens`` ``[n]`` or ``[1, n]`` int32 real
+    document boundaries, ``cu_seqlens_padded`` where each document sits in the buffer (``None``:
+    no padding), ``max_seqlen`` the longest document (an int or a tensor).  Every ``[1, t]``
+    tensor is sliced on dim 1 in ``algo``'s layout (``zigzag``: per document, as Transformer
+    Engine does).  Returns ``(batch, packed_seq_params)``; the params carry the ring's bounds.
+    """
+    check_algo(algo)
+    if algo == "native":
+        fn = _megatron_original("megatron.core.utils", "get_thd_batch_on_this_cp_rank")
+        return fn(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=cp_size, cp_rank=cp_rank)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    layout = layout_of(algo)
+    if cp_size is None or cp_rank is None:
+        cp_size, cp_rank = cp_size_and_rank(cp_group)
+    cu = cu_seqlens.reshape(-1) if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    pad = cu_seqlens_padded.reshape(-1) if isinstance(cu_seqlens_padded, torch.Tensor) else cu_seqlens_padded
+    if isinstance(max_seqlen, torch.Tensor):
+        max_seqlen = int(max_seqlen.reshape(-1)[0].item())
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=pad,
+        cu_seqlens_kv_padded=pad, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )
+    if cp_group is not None and hasattr(params, "cp_group"):
+        params.cp_group = cp_group
+    seq_len = packed.batch_seq_len(batch)
+    lay = get_layout(layout)
+    lay.check_seq_len(seq_len, cp_size)
+    bounds = packed.documents_of(params, seq_len, layout)
+    # zigzag shards each document; the others shard the row and ignore the bounds
+    from ..masks import check_cu_seqlens
+
+    check_cu_seqlens(bounds, seq_len, cp_size, lay)
+    for key, val in batch.items():
+        if key in _THD_SKIP or not isinstance(val, torch.Tensor):
+            continue
+        if val.dim() < 2 or val.size(1) != seq_len:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(val.shape)}: expected [1, {seq_len}, ...]")
+    out = dict(batch)
+    if cp_size > 1:
+        cut = bounds if layout == "zigzag" else None
+        for key, val in batch.items():
+            if key not in _THD_SKIP and isinstance(val, torch.Tensor):
+                out[key] = shard(val, cp_size, cp_rank, dim=1, layout=layout, cu_seqlens=cut)
+    return out, params
 
 
 def roll_tensor(
@@ -110,30 +184,37 @@ def roll_tensor(
     if algo == "native":
         fn = _megatron_original("megatron.core.transformer.multi_token_prediction", "roll_tensor")
         return fn(tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params)
-    if packed_seq_params is not None:
-        raise ValueError(
-            f"--context-parallel-algo {algo} does not support packed THD sequences yet: "
-            "drop sequence packing (--sft) or use --context-parallel-algo native"
-        )
     dim = dims % tensor.dim()
     size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    layout = layout_of(algo)
+    seq = tensor.size(dim) * size
+    bounds = None if packed_seq_params is None else packed.documents_of(packed_seq_params, seq, layout)
+    cut = bounds if layout == "zigzag" else None
     if size == 1:
         full = tensor
     else:
-        layout = layout_of(algo)
         local = tensor.detach().contiguous()
         parts = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(parts, local, group=cp_group)
-        full = unshard(parts, dim=dim, layout=layout)
-    seq = full.size(dim)
-    if abs(shifts) >= seq:
-        rolled = torch.zeros_like(full)
-    else:
-        rolled = torch.roll(full, shifts=shifts, dims=dim)
-        if shifts < 0:
-            rolled.narrow(dim, seq + shifts, -shifts).zero_()
-        elif shifts > 0:
-            rolled.narrow(dim, 0, shifts).zero_()
+        full = unshard(parts, dim=dim, layout=layout, cu_seqlens=cut)
+    rolled = _roll_within(full, shifts, dim, bounds)
     if size > 1:
-        rolled = shard(rolled, size, dist.get_rank(cp_group), dim=dim, layout=layout)
+        rolled = shard(rolled, size, dist.get_rank(cp_group), dim=dim, layout=layout, cu_seqlens=cut)
     return rolled, rolled.sum()
+
+
+def _roll_within(full: torch.Tensor, shifts: int, dim: int, bounds) -> torch.Tensor:
+    """``full`` rolled by ``shifts`` on ``dim``; slots whose source lies outside the row (or, with
+    ``bounds``, outside their own document) are 0."""
+    seq = full.size(dim)
+    pos = torch.arange(seq, device=full.device)
+    src = pos - shifts
+    valid = (src >= 0) & (src < seq)
+    if bounds is not None:
+        edges = torch.tensor(bounds[1:-1], dtype=torch.int64, device=full.device)
+        doc = torch.bucketize(pos, edges, right=True)
+        valid &= doc == torch.bucketize(src.clamp(0, seq - 1), edges, right=True)
+    shape = [1] * full.dim()
+    shape[dim] = seq
+    picked = full.index_select(dim, src.clamp(0, seq - 1))
+    return torch.where(valid.view(shape), picked, torch.zeros((), dtype=full.dtype, device=full.device))

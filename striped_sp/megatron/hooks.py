@@ -5,8 +5,10 @@ imported it by name, so ``from x import f`` copies follow too):
 
 * rotary positions: ``get_pos_emb_on_this_cp_rank`` (RotaryEmbedding, YaRN and multimodal
   rotary import it by name), plus a CPU fallback for RoPE's ``torch.cuda.current_device()``;
-* batch slicing: ``megatron.core.utils.get_batch_on_this_cp_rank`` and its copies in
-  ``megatron.training`` and pretrain_gpt.py when loaded; THD and hybrid-CP slicing refuse;
+  ``apply_rotary_pos_emb`` for packed THD rows (positions inside each document, in the layout);
+* batch slicing: ``megatron.core.utils.get_batch_on_this_cp_rank`` and
+  ``get_thd_batch_on_this_cp_rank``, and their copies in ``megatron.training`` and
+  pretrain_gpt.py when loaded; hybrid-CP slicing refuses;
 * the GPT spec providers (local, Transformer Engine, decoder block, decoder layers, MTP
   block): every ``core_attention`` they return becomes ``ContextParallelAttention(algo)``;
   ``GPTModel.__init__`` does the same to whatever layer and MTP specs it is given;
@@ -65,6 +67,36 @@ def _batch_slice(batch, cp_group=None):
     if _STATE["algo"] is None:
         return _batch_slice.__striped_sp_original__(batch, cp_group)
     return data.get_batch_on_this_cp_rank(batch, algo=_STATE["algo"], cp_group=cp_group)
+
+
+def _thd_batch_slice(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=None, cp_rank=None):
+    if _STATE["algo"] is None:
+        return _thd_batch_slice.__striped_sp_original__(batch, cu_seqlens, cu_seqlens_padded, max_seqlen,
+                                                        cp_size=cp_size, cp_rank=cp_rank)
+    return data.get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen,
+                                              cp_size, cp_rank, algo=_STATE["algo"])
+
+
+def _rope_apply_wrapper(original):
+    params = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        bound = params.bind(*args, **kwargs)
+        cu = bound.arguments.get("cu_seqlens")
+        if _STATE["algo"] is None or cu is None:
+            return original(*args, **kwargs)
+        cp_group = bound.arguments.get("cp_group")
+        if cp_group is None:
+            from megatron.core import parallel_state
+
+            cp_group = parallel_state.get_context_parallel_group()
+        return rope.apply_rotary_pos_emb_thd(
+            bound.arguments["t"], cu, bound.arguments["freqs"], bound.arguments["config"], cp_group,
+            mscale=bound.arguments.get("mscale", 1.0), algo=_STATE["algo"],
+        )
+
+    return wrapper
 
 
 def _mtp_roll(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
@@ -180,6 +212,10 @@ def _clear_rope_caches() -> None:
 
 
 def _apply() -> None:
+    # Load the modules that import the patched functions by name first, so their copies follow.
+    import megatron.core.models.gpt.gpt_model  # noqa: F401
+    import megatron.core.transformer.attention  # noqa: F401
+    import megatron.core.transformer.multi_token_prediction  # noqa: F401
     from megatron.core.models.common.embeddings import (
         rope_utils,
         rotary_pos_embedding,
@@ -188,6 +224,8 @@ def _apply() -> None:
 
     # Rotary positions, and RoPE on CPU.
     _replace_everywhere(rope_utils.get_pos_emb_on_this_cp_rank, _rope_slice)
+    _wrap_function("megatron.core.models.common.embeddings.rope_utils", "apply_rotary_pos_emb",
+                   _rope_apply_wrapper)
     for cls in (
         rotary_pos_embedding.RotaryEmbedding,
         rotary_pos_embedding.MultimodalRotaryEmbedding,
@@ -205,12 +243,10 @@ def _apply() -> None:
     import megatron.core.utils as core_utils
 
     _replace_everywhere(core_utils.get_batch_on_this_cp_rank, _batch_slice)
-    for attr, what in (
-        ("get_thd_batch_on_this_cp_rank", "packed THD sequences"),
-        ("get_batch_on_this_hybrid_cp_rank", "hybrid context parallelism"),
-    ):
-        if hasattr(core_utils, attr):
-            _replace_everywhere(getattr(core_utils, attr), _refuse(what))
+    if hasattr(core_utils, "get_thd_batch_on_this_cp_rank"):
+        _replace_everywhere(core_utils.get_thd_batch_on_this_cp_rank, _thd_batch_slice)
+    if hasattr(core_utils, "get_batch_on_this_hybrid_cp_rank"):
+        _replace_everywhere(core_utils.get_batch_on_this_hybrid_cp_rank, _refuse("hybrid context parallelism"))
 
     # Spec providers.
     for attr in _SPEC_PROVIDERS:

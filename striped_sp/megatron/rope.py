@@ -4,7 +4,10 @@ megatron-core computes the rotary table for the full sequence and keeps this CP 
 with ``get_pos_emb_on_this_cp_rank`` (zigzag only, and through ``pin_memory``/``.cuda()``).
 :func:`get_pos_emb_on_this_cp_rank` keeps the rows of ``striped_sp.positions`` instead, on the
 table's own device.  :func:`cpu_fallback` wraps a RoPE method so that, when CUDA is absent,
-its ``torch.cuda.current_device()`` calls resolve to the CPU.
+its ``torch.cuda.current_device()`` calls resolve to the CPU.  :func:`apply_rotary_pos_emb_thd`
+replaces Megatron's THD RoPE (which assumes zigzag chunks of every document): each local token of
+a packed row gets the rotary row of its position inside its document, on the unfused and on the
+fused (Transformer Engine) path.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 
 import torch
 
 from ..layouts import positions
+from ..packing import document_positions
 from .arguments import layout_of
 
-__all__ = ["get_pos_emb_on_this_cp_rank", "cpu_fallback"]
+__all__ = ["get_pos_emb_on_this_cp_rank", "apply_rotary_pos_emb_thd", "cpu_fallback"]
 
 
 def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group, *, algo: str = "striped"):
@@ -32,6 +37,61 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group, *
     size, rank = cp_group.size(), cp_group.rank()
     idx = positions(pos_emb.size(seq_dim), size, rank, layout).to(pos_emb.device)
     return pos_emb.index_select(seq_dim, idx)
+
+
+_POSITIONS: dict = {}
+
+
+def _thd_positions(cu_seqlens, seq_len: int, size: int, rank: int, layout: str, in_document: bool):
+    """Rotary positions of this rank's tokens of a packed row: inside their document, or global
+    (``in_document=False``).  Cached by the boundary tensor (the same object every layer)."""
+    from .packed import thd_bounds
+
+    key = (id(cu_seqlens), seq_len, size, rank, layout, in_document)
+    hit = _POSITIONS.get(key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1]
+    bounds = thd_bounds(cu_seqlens, None, seq_len, "zigzag")  # the buffer's documents, padding inside
+    if in_document:
+        pos = document_positions(seq_len, size, rank, layout, bounds)
+    else:
+        pos = positions(seq_len, size, rank, layout, bounds)
+    if isinstance(cu_seqlens, torch.Tensor):
+        if len(_POSITIONS) > 64:
+            _POSITIONS.clear()
+        _POSITIONS[key] = (weakref.ref(cu_seqlens), pos)
+    return pos
+
+
+def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens, freqs: torch.Tensor, config, cp_group=None,
+                             mscale: float = 1.0, *, algo: str = "striped") -> torch.Tensor:
+    """RoPE on this rank's tokens of a packed row, in ``algo``'s layout.
+
+    ``t``: ``[t_local, heads, d]``; ``cu_seqlens``: the boundaries of the row as Megatron's
+    attention passes them (the padded ones when there is padding); ``freqs``: ``[max_s, 1, 1,
+    rot_dim]`` float rotary angles from position 0 (or one row per token of the whole buffer,
+    then the global positions are used, as Megatron does).  Returns ``t``'s shape and dtype.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    size = 1 if cp_group is None else cp_group.size()
+    rank = 0 if cp_group is None else cp_group.rank()
+    layout = "zigzag" if algo == "native" else layout_of(algo)
+    seq_len = t.size(0) * size
+    full_table = freqs.size(0) == (int(cu_seqlens.reshape(-1)[-1]) if isinstance(cu_seqlens, torch.Tensor)
+                                   else int(cu_seqlens[-1]))
+    pos = _thd_positions(cu_seqlens, seq_len, size, rank, layout, in_document=not full_table)
+    if pos.numel() and int(pos.max()) >= freqs.size(0):
+        raise ValueError(f"a packed document reaches position {int(pos.max())} but the rotary table has "
+                         f"{freqs.size(0)} rows: max_seqlen of the packed batch is too small")
+    rows = freqs.index_select(0, pos.to(freqs.device))  # [t_local, 1, 1, rot_dim]
+    fused = getattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    if getattr(config, "apply_rope_fusion", False) and fused is not None and mscale == 1.0:
+        return fused(t.unsqueeze(1), rows, interleaved=config.rotary_interleaved).squeeze(1)
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1), rows, rotary_interleaved=config.rotary_interleaved,
+        multi_latent_attention=config.multi_latent_attention, mscale=mscale,
+    ).squeeze(1)
 
 
 _LOCK = threading.RLock()

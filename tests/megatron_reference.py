@@ -1,0 +1,82 @@
+"""An independent CP=1 core attention for megatron-core models, and the CP=N vs CP=1 comparison.
+
+``ReferenceCoreAttention`` follows Megatron's core-attention contract on one rank, in float64,
+with nothing from striped_sp: the scale is ``1/sqrt(head_dim)`` from the query's own shape, the
+mask is the given boolean ``attention_mask`` (``True`` = masked) or plain causal, and a layer's
+window is ``TransformerConfig.window_size`` unless ``layer_number % window_attn_skip_freq == 0``.
+:func:`use_reference_attention` puts it into a built model (the plugin's ``install()`` swaps the
+core attention of every spec a ``GPTModel`` is built with, so a spec-level swap would not stick).
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from reference import rel_err
+
+
+class ReferenceCoreAttention(torch.nn.Module):
+    def __init__(self, window=None):
+        super().__init__()
+        self.window = window
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        assert packed_seq_params is None, "the reference runs the full row as one bshd sequence"
+        s = query.size(0)
+        q, k, v = (t.double().permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        group = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+        i = torch.arange(s)
+        hidden = (i[None, :] > i[:, None]).expand(q.size(0), 1, s, s)
+        if attention_mask is not None:
+            hidden = hidden | attention_mask
+        if self.window is not None:
+            left, right = self.window
+            hidden = hidden | (i[None, :] < i[:, None] - left)
+        out = (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v).to(query.dtype)
+        out = out.permute(2, 0, 1, 3)  # [s, b, h, d]
+        return out.reshape(s, out.size(1), -1)
+
+
+def use_reference_attention(model, config) -> int:
+    """Replace every ``core_attention`` module of ``model`` by a reference; returns the count."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "core_attention"):
+            layer = getattr(module.core_attention, "layer_number", None) or getattr(module, "layer_number", 1)
+            window = config.window_size
+            skip = config.window_attn_skip_freq
+            if window is not None and skip is not None and layer % skip == 0:
+                window = None
+            module.core_attention = ReferenceCoreAttention(window)
+            count += 1
+    assert count > 0
+    return count
+
+
+def document_mask(bounds, seq_len, batch=1):
+    """Megatron's ``--reset-attention-mask`` mask of a row with documents ``bounds``:
+    bool ``[batch, 1, s, s]``, ``True`` where a query may not see a key."""
+    visible = torch.zeros(seq_len, seq_len, dtype=torch.bool)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        visible[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    return (~visible).expand(batch, 1, seq_len, seq_len).contiguous()
+
+
+def compare(model, ref, loss, ref_loss, group, seed, grad_tol=1e-4):
+    """``loss`` summed over ``group`` equals ``ref_loss``; every gradient summed over ``group``
+    equals the reference's (as Megatron's DDP sums them over DP x CP)."""
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    assert rel_err(total, ref_loss.detach()) < 1e-5, (seed, total.item(), ref_loss.item())
+    bad = {}
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        err = rel_err(g, p_ref.grad)
+        if not err < grad_tol:
+            bad[name] = err
+    assert not bad, f"seed={seed}: gradient errors above {grad_tol}: {bad}"
