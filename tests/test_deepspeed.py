@@ -110,8 +110,15 @@ def test_shard_batch_keeps_given_positions_and_shift_labels():
 @pytest.mark.parametrize(
     "change,words",
     [
-        (lambda b: b.update(input_ids=b["input_ids"][:, :30]), ["batch['input_ids'] has 30 tokens", "multiple of"]),
-        (lambda b: b["attention_mask"].__setitem__((0, -1), 0), ["attention_mask", "padding"]),
+        (lambda b: b.update(input_ids=b["input_ids"][:, :30], labels=b["labels"][:, :30]) or b.pop("attention_mask"),
+         ["batch['input_ids'] has 30 tokens", "multiple of"]),
+        (lambda b: b["attention_mask"].__setitem__((0, 0), 0), ["attention_mask", "right padding", "row 0"]),
+        (lambda b: b["attention_mask"].__setitem__((1, 7), 0), ["attention_mask", "hole", "row 1"]),
+        (lambda b: b.update(position_ids=torch.tensor([0, 1, 2, 5] * 10).expand(3, -1)),
+         ["position_ids", "row 0 at token 3", "restart at 0"]),
+        (lambda b: b.update(position_ids=torch.tensor([3, 4, 0, 1] * 10).expand(3, -1)),
+         ["position_ids", "row 0 at token 0"]),
+        (lambda b: b.update(cu_seq_lens_q=torch.tensor([0, 8, 40])), ["cu_seq_lens_q", "batch size 3"]),
         (lambda b: b.update(labels=b["labels"][:, :-2]), ["batch['labels']", "dim 1"]),
         (lambda b: b.pop("input_ids"), ["input_ids"]),
     ],

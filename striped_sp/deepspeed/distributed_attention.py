@@ -11,6 +11,11 @@ called: the attention is causal softmax attention, as in Megatron-DeepSpeed's GP
 ``causal`` and ``softmax_scale`` attributes, when present (``FlashSelfAttention`` has both), are the
 defaults for the keyword arguments of the same names.  Extra forward arguments (e.g. a causal
 ``attention_mask`` for ``CoreAttention``) are accepted and ignored.
+
+Packed documents and sliding windows: ``forward(..., cu_seqlens=...)`` (or ``cu_seq_lens_q=``, as
+:func:`.shard_batch` names them) takes the document boundaries of the *global* packed row;
+``window_size=(left, right)`` (flash-attn convention) or ``sliding_window=W`` (transformers'
+convention, ``= (W - 1, 0)``), given to the constructor or to one forward call, sets a window.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch.distributed as dist
 from ..attention import ring_attention
 from ..kernels import BACKENDS
 from ..layouts import get_layout, positions
+from ..masks import check_window
+from .hf import hf_window
 
 __all__ = ["DistributedAttention"]
 
@@ -41,17 +48,31 @@ def _apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return t_rot if t_pass.size(-1) == 0 else torch.cat([t_rot, t_pass], dim=-1)
 
 
+def _as_window(window_size, sliding_window, causal: bool):
+    """One window from either convention (``None`` if neither is given); ``ValueError`` names it."""
+    if window_size is not None and sliding_window is not None:
+        raise ValueError(f"give window_size={window_size!r} or sliding_window={sliding_window!r}, not both")
+    if sliding_window is not None:
+        return hf_window(sliding_window, causal)
+    if window_size is not None:
+        return check_window(window_size, causal)
+    return None
+
+
 class DistributedAttention(torch.nn.Module):
     """Same constructor as DeepSpeed's: ``(local_attention, sequence_process_group, scatter_idx=2,
     gather_idx=0, sp_stream=None, num_kv_heads=None)``, plus keyword-only ``layout`` (a core layout
-    name, or the config algo names ``"ring"``), ``causal``, ``softmax_scale`` and ``backend``.
+    name, or the config algo names ``"ring"``), ``causal``, ``softmax_scale``, ``backend`` and a
+    window (``window_size=(left, right)`` or ``sliding_window=W``).
 
     ``forward(query, key, value, batch_dim_idx, rotary_pos_emb=None, *args, **kwargs)``:
     ``batch_dim_idx=1`` means ``[s_local, batch, heads, head_dim]`` (Megatron-DeepSpeed's
     layout), ``0`` means ``[batch, s_local, heads, head_dim]``; k/v may have fewer heads.  Returns
     the local rows of the attention output in the input's layout.  ``rotary_pos_emb``
     (``(cos, sin)`` as DeepSpeed takes them, the sequence on dim 1) may cover the whole sequence
-    (the local positions are picked out) or already only the local tokens.
+    (the local positions are picked out) or already only the local tokens.  Keyword arguments
+    ``cu_seqlens`` (or ``cu_seq_lens_q``): global document boundaries of the packed row (batch 1);
+    ``window_size`` / ``sliding_window``: a window for this call (else the module's).
     """
 
     def __init__(
@@ -67,6 +88,8 @@ class DistributedAttention(torch.nn.Module):
         causal: bool | None = None,
         softmax_scale: float | None = None,
         backend: str = "auto",
+        window_size: tuple[int, int] | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.local_attn = local_attention
@@ -85,10 +108,17 @@ class DistributedAttention(torch.nn.Module):
                 f"local_attention has dropout_p={dropout}; the ring engine applies no attention dropout",
                 stacklevel=2,
             )
-        self.configure(layout=layout, backend=backend)
+        self.window_size = None
+        self.configure(layout=layout, backend=backend, window_size=window_size, sliding_window=sliding_window)
 
-    def configure(self, layout: str | None = None, backend: str | None = None) -> None:
-        """Set the token layout and/or kernel backend (``initialize`` calls this from the config)."""
+    def configure(self, layout: str | None = None, backend: str | None = None,
+                  window_size: tuple[int, int] | None = None, sliding_window: int | None = None) -> None:
+        """Set the token layout, the kernel backend and/or the window (``initialize`` sets the
+        first two from the config).  ``window_size=(left, right)``: flash-attn convention, ``-1`` =
+        unbounded; ``sliding_window=W``: transformers' convention, the same as ``(W - 1, 0)``."""
+        window = _as_window(window_size, sliding_window, self.causal)
+        if window is not None:
+            self.window_size = window
         if layout is not None:
             layout = {"ring": "contiguous"}.get(layout, layout)
             get_layout(layout)
@@ -99,9 +129,10 @@ class DistributedAttention(torch.nn.Module):
             self.backend = backend
 
     def extra_repr(self) -> str:
-        return f"layout={self.layout!r}, causal={self.causal}, backend={self.backend!r}"
+        window = "" if self.window_size is None else f", window_size={self.window_size}"
+        return f"layout={self.layout!r}, causal={self.causal}, backend={self.backend!r}{window}"
 
-    def _local_rotary(self, emb: torch.Tensor, local_len: int, seq_dim: int) -> torch.Tensor:
+    def _local_rotary(self, emb: torch.Tensor, local_len: int, seq_dim: int, cu_seqlens=None) -> torch.Tensor:
         # As DeepSpeed: permute(1, 0, 2, 3), after which the table broadcasts against q/k with
         # the sequence on q's sequence dim ([1, S, 1, d] for [s, b, h, d] inputs, [S, 1, 1, d]
         # for [b, s, h, d] inputs, as Megatron-DeepSpeed passes it).
@@ -109,7 +140,7 @@ class DistributedAttention(torch.nn.Module):
         group = self.spg if self.spg is not None else dist.group.WORLD
         n = dist.get_world_size(group)
         if n > 1 and emb.size(seq_dim) == local_len * n:
-            idx = positions(local_len * n, n, dist.get_rank(group), self.layout).to(emb.device)
+            idx = positions(local_len * n, n, dist.get_rank(group), self.layout, cu_seqlens).to(emb.device)
             emb = emb.index_select(seq_dim, idx)
         elif emb.size(seq_dim) != local_len:
             raise ValueError(
@@ -126,14 +157,16 @@ class DistributedAttention(torch.nn.Module):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4-dim tensor, got shape {tuple(getattr(t, 'shape', ()))}")
         seq_dim = 1 - batch_dim_idx
+        cu_seqlens = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
+        window = _as_window(kwargs.get("window_size"), kwargs.get("sliding_window"), self.causal) or self.window_size
         if rotary_pos_emb is not None:
-            cos = self._local_rotary(rotary_pos_emb[0], query.size(seq_dim), seq_dim)
-            sin = self._local_rotary(rotary_pos_emb[1], query.size(seq_dim), seq_dim)
+            cos = self._local_rotary(rotary_pos_emb[0], query.size(seq_dim), seq_dim, cu_seqlens)
+            sin = self._local_rotary(rotary_pos_emb[1], query.size(seq_dim), seq_dim, cu_seqlens)
             query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
         if batch_dim_idx == 1:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         out = ring_attention(
             query, key, value, self.spg, layout=self.layout, causal=self.causal,
-            softmax_scale=self.softmax_scale, backend=self.backend,
+            softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=cu_seqlens, window_size=window,
         )
         return out.transpose(0, 1) if batch_dim_idx == 1 else out

@@ -4,8 +4,19 @@
 transformers' attention-function registry (``AttentionInterface``) and switches the model to it.
 Llama/Mistral/Qwen-style models then call :func:`hf_attention_forward` in every attention layer
 with their local q/k/v; the model's ``position_ids`` (from :mod:`.data`) carry the layout's global
-positions, so RoPE is exact.  transformers builds no mask for an implementation it has no mask
-function for, so nothing of size ``s x s`` is ever made.
+positions, or the positions inside each packed document, so RoPE is exact.  transformers builds no
+mask for an implementation it has no mask function for, so nothing of size ``s x s`` is ever made.
+
+What the attention function reads from transformers' keyword arguments (transformers 5 passes the
+model's extra keyword arguments through to every attention layer):
+
+* ``cu_seq_lens_q`` / ``cu_seq_lens_k``: the document boundaries of the *global* packed row, as
+  :func:`.shard_batch` leaves them in the batch (not the local tokens' boundaries, which is what
+  transformers' flash-attention path would read them as); ``max_length_q/k`` are ignored;
+* ``sliding_window=W`` (Mistral; Qwen2-style models pass it for their sliding layers only and
+  ``None`` for full ones): a query sees itself and the ``W - 1`` keys before it, i.e.
+  ``window_size=(W - 1, 0)``, as transformers' own ``sliding_window_overlay`` mask;
+* ``softcap`` (logit soft-capping) and ``s_aux`` (attention sinks): refused.
 
 The active settings are process-wide (one context-parallel configuration per process), as
 transformers' registry itself is.
@@ -21,8 +32,9 @@ import torch
 from ..attention import ring_attention
 from ..kernels import BACKENDS
 from ..layouts import get_layout, positions
+from ..packing import document_positions
 
-__all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "register_hf_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "hf_window", "register_hf_attention"]
 
 ATTN_IMPLEMENTATION = "striped_sp"
 
@@ -92,14 +104,6 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
     return model
 
 
-def _group_size(group) -> int:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group if group is not None else dist.group.WORLD)
-
-
 def _check_mask(attention_mask) -> None:
     if attention_mask is None:
         return
@@ -109,7 +113,10 @@ def _check_mask(attention_mask) -> None:
             f"got {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
         )
     if not bool(attention_mask.bool().all()):
-        raise ValueError("attention_mask has padding: striped_sp attention attends to every earlier token")
+        raise ValueError(
+            "attention_mask has padding: striped_sp attention takes no mask; give the full padded batch to "
+            "striped_sp.deepspeed.shard_batch (or ShardedDataLoader), which turns the padding into ignored "
+            "targets, and pass the model its output (no attention_mask)")
 
 
 def _padding_mask_pre_hook(module, args, kwargs):
@@ -119,21 +126,51 @@ def _padding_mask_pre_hook(module, args, kwargs):
     _check_mask(mask)
 
 
-def _check_positions(position_ids, local_len: int, settings: _Settings) -> None:
+def _check_positions(position_ids, local_len: int, settings: _Settings, cu_seqlens=None) -> None:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return  # ring_attention raises the proper error
     group = settings.group if settings.group is not None else dist.group.WORLD
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    expected = positions(local_len * n, n, r, settings.layout).to(position_ids.device)
     rows = position_ids.reshape(-1, position_ids.size(-1))
-    if rows.size(-1) != local_len or not bool((rows == expected).all()):
+    expected = positions(local_len * n, n, r, settings.layout, cu_seqlens).to(position_ids.device)
+    accepted = [expected]
+    if cu_seqlens is not None:  # per-document positions, as DataCollatorWithFlattening gives them
+        accepted.append(document_positions(local_len * n, n, r, settings.layout, cu_seqlens).to(position_ids.device))
+    if rows.size(-1) != local_len or not any(bool((rows == e).all()) for e in accepted):
+        what = "positions inside the documents of cu_seq_lens_q (or the global ones)" if cu_seqlens is not None else "positions"
         raise ValueError(
-            f"position_ids are not the '{settings.layout}' positions of rank {r} of {n} "
-            f"({expected[:4].tolist()}...): shard the batch with striped_sp.deepspeed.shard_batch "
-            "(or ShardedDataLoader) and pass its position_ids to the model"
+            f"position_ids are not the '{settings.layout}' {what} of rank {r} of {n} "
+            f"({accepted[-1][:4].tolist()}...): shard the batch with striped_sp.deepspeed.shard_batch "
+            "(or ShardedDataLoader) and pass its position_ids (and cu_seq_lens_q/k) to the model"
         )
+
+
+def _boundaries(kwargs: dict):
+    """The global document boundaries from ``cu_seq_lens_q/k`` (``None`` without them)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:
+        return cu_q if cu_k is None else cu_k
+    same = (torch.equal(cu_q, cu_k) if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+            else list(cu_q) == list(cu_k))
+    if not same:
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: causal self-attention over packed documents "
+                         "needs one set of boundaries (of the global row)")
+    return cu_q
+
+
+def hf_window(sliding_window, causal: bool = True):
+    """transformers' ``sliding_window=W`` as ``window_size=(W - 1, 0)``; ``None`` without one."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (a query sees itself and "
+                         "the sliding_window - 1 keys before it)")
+    if not causal:
+        raise ValueError(f"sliding_window={sliding_window} on a non-causal attention layer: the ring engine "
+                         "runs transformers' sliding windows for causal layers only (give window_size=(left, right))")
+    return (sliding_window - 1, 0)
 
 
 def hf_attention_forward(
@@ -148,7 +185,8 @@ def hf_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-function signature: q ``[b, heads, s_local, d]``, k/v
-    ``[b, kv_heads, s_local, d]`` -> (``[b, s_local, heads, d]``, ``None``)."""
+    ``[b, kv_heads, s_local, d]`` -> (``[b, s_local, heads, d]``, ``None``).  Keyword arguments as in
+    the module notes; every check runs before the ring sends anything."""
     settings = _ACTIVE
     if settings is None:
         raise ValueError(
@@ -157,22 +195,19 @@ def hf_attention_forward(
         )
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by the ring engine; use 0.0")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < query.size(2) * _group_size(settings.group):
-        raise ValueError(
-            f"sliding_window={window} is not supported by the ring engine (it attends to every earlier "
-            "token): set config.sliding_window=None (or use_sliding_window=False)"
-        )
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by the ring engine yet: use a model without it")
     _check_mask(attention_mask)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = hf_window(kwargs.get("sliding_window"), causal)
+    cu_seqlens = _boundaries(kwargs)
     position_ids = kwargs.get("position_ids")
     if settings.check_positions and position_ids is not None and getattr(module, "layer_idx", 0) == 0:
-        _check_positions(position_ids, query.size(2), settings)
+        _check_positions(position_ids, query.size(2), settings, cu_seqlens)
     out = ring_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), settings.group,
-        layout=settings.layout, causal=bool(causal), softmax_scale=scaling, backend=settings.backend,
+        layout=settings.layout, causal=causal, softmax_scale=scaling, backend=settings.backend,
+        cu_seqlens=cu_seqlens, window_size=window,
     )
     return out, None
