@@ -64,6 +64,7 @@ def test_valid_settings_pass():
     (dict(attention_dropout=0.1), "--attention-dropout 0"),
     (dict(sft=True), "--calculate-per-token-loss"),
     (dict(eod_mask_loss=True), "--calculate-per-token-loss"),
+    (dict(context_parallel_algo="zigzag", reset_attention_mask=True), "--context-parallel-algo striped"),
     (dict(reset_attention_mask=True, create_attention_mask_in_dataloader=False),
      "--no-create-attention-mask-in-dataloader"),
     (dict(hierarchical_context_parallel_sizes=[2, 2]), "--hierarchical-context-parallel-sizes"),

@@ -5,7 +5,8 @@ Public pieces:
 * :func:`add_arguments` (an ``extra_args_provider``), :func:`chain_providers`, :func:`validate_args`;
 * :class:`ContextParallelAttention`: a megatron-core core-attention module running striped_sp;
 * :func:`patch_layer_spec`: swap every core_attention of a layer / block / MTP spec;
-* :func:`get_batch_on_this_cp_rank`, :func:`roll_tensor`: the data path in a layout;
+* :func:`get_batch_on_this_cp_rank`, :func:`get_thd_batch_on_this_cp_rank`, :func:`roll_tensor`:
+  the data path in a layout (packed THD rows and ``--reset-attention-mask`` documents included);
 * :func:`install` / :func:`uninstall`: patch Megatron's own RoPE, batch slicing, spec providers
   and MTP roll so that an unmodified pretrain_gpt.py follows the layout.
 
@@ -13,7 +14,7 @@ megatron-core is imported only when a piece that needs it is used.
 """
 
 from .arguments import ALGOS, DEFAULT_ALGO, add_arguments, chain_providers, layout_of, validate_args
-from .data import get_batch_on_this_cp_rank, roll_tensor
+from .data import get_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank, roll_tensor
 from .hooks import install, installed_algo, uninstall
 from .rope import get_pos_emb_on_this_cp_rank
 
@@ -28,6 +29,7 @@ __all__ = [
     "patch_layer_spec",
     "core_attention_spec",
     "get_batch_on_this_cp_rank",
+    "get_thd_batch_on_this_cp_rank",
     "roll_tensor",
     "get_pos_emb_on_this_cp_rank",
     "install",

@@ -141,6 +141,11 @@ def validate_args(args) -> None:
             f"{flag} reads the documents of --reset-attention-mask from the attention mask: drop "
             "--no-create-attention-mask-in-dataloader"
         )
+    if algo == "zigzag" and getattr(args, "reset_attention_mask", False):
+        raise ValueError(
+            f"{flag} cuts each packed document into 2 * CP chunks and cannot run the documents of "
+            "--reset-attention-mask inside whole rows: use --context-parallel-algo striped or ring"
+        )
     _check_loss_weighting(args, flag)
     if getattr(args, "use_legacy_models", False):
         raise ValueError(f"{flag} needs megatron-core models: drop --use-legacy-models")

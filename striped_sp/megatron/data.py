@@ -93,6 +93,11 @@ def get_batch_on_this_cp_rank(
         if len(set(lens.values())) != 1:
             raise ValueError(f"batch tensors disagree on the sequence length: {lens}")
         get_layout(layout).check_seq_len(next(iter(lens.values())), size)
+    if documents is not None and layout == "zigzag" and any(len(b) > 2 for b in documents):
+        raise ValueError(
+            "--context-parallel-algo zigzag cuts each packed document into 2 * CP chunks and cannot "
+            "run the documents of --reset-attention-mask inside whole rows: use --context-parallel-algo "
+            "striped (balanced on documents) or ring")
     out = {
         key: shard(val, size, rank, dim=dims[key], layout=layout) if key in dims else val
         for key, val in batch.items()
@@ -188,8 +193,11 @@ def roll_tensor(
     size = 1 if cp_group is None else dist.get_world_size(cp_group)
     layout = layout_of(algo)
     seq = tensor.size(dim) * size
-    bounds = None if packed_seq_params is None else packed.documents_of(packed_seq_params, seq, layout)
-    cut = bounds if layout == "zigzag" else None
+    bounds = cut = None
+    if packed_seq_params is not None:
+        # roll inside each document's real tokens (padding apart); zigzag shards by padded documents
+        bounds = packed.documents_of(packed_seq_params, seq, "striped")
+        cut = packed.documents_of(packed_seq_params, seq, layout) if layout == "zigzag" else None
     if size == 1:
         full = tensor
     else:
