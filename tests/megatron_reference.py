@@ -9,6 +9,7 @@ core attention of every spec a ``GPTModel`` is built with, so a spec-level swap 
 """
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -80,3 +81,25 @@ def compare(model, ref, loss, ref_loss, group, seed, grad_tol=1e-4):
         if not err < grad_tol:
             bad[name] = err
     assert not bad, f"seed={seed}: gradient errors above {grad_tol}: {bad}"
+
+
+_GROUPS = {}
+
+
+def setup_groups():
+    """Megatron's parallel_state with CP = world size (4), ``install('striped')``, and this rank's
+    CP groups by size: 1 (a group per rank), 2 (non-adjacent pairs [0, 2], [1, 3]) and 4."""
+    if _GROUPS:
+        return _GROUPS
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    import striped_sp.megatron as sm
+    from striped_sp.megatron.toy import single_rank_group
+
+    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+    sm.install("striped")
+    _GROUPS[1] = single_rank_group()
+    _GROUPS[2] = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]
+    _GROUPS[4] = parallel_state.get_context_parallel_group()
+    return _GROUPS

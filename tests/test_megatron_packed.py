@@ -15,7 +15,6 @@ The reference runs the whole row as one sequence with Megatron's document mask b
 
 import itertools
 import random
-import warnings
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 import striped_sp
 from dist_helper import run_cases
-from megatron_reference import compare, document_mask, use_reference_attention
+from megatron_reference import compare, document_mask, setup_groups, use_reference_attention
 
 pytest.importorskip("megatron.core")
 
@@ -34,21 +33,7 @@ VOCAB = 48
 WINDOW = (5, 0)
 
 _env = {}
-
-
-def _setup():
-    if _env:
-        return _env
-    warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
-
-    from striped_sp.megatron.toy import single_rank_group
-
-    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
-    _env[1] = single_rank_group()
-    _env[2] = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]
-    _env[4] = parallel_state.get_context_parallel_group()
-    return _env
+_setup = setup_groups
 
 
 def _bounds(lengths):
