@@ -316,12 +316,15 @@ def test_patch_file_exists():
     assert os.path.isfile(_PATCH)
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
-                    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
+_SHARED_MLM = os.path.join(os.path.dirname(_PATCH), "..", "..", "shared", "megatron-lm", "core_v0.16.1")
+_MLM = os.environ.get("MEGATRON_LM_DIR") or (_SHARED_MLM if os.path.isdir(_SHARED_MLM) else None)
+
+
+@pytest.mark.skipif(_MLM is None, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
 def test_patch_applies_to_megatron_lm():
     if shutil.which("git") is None:
         pytest.skip("git not found")
-    res = subprocess.run(["git", "apply", "--check", _PATCH], cwd=os.environ["MEGATRON_LM_DIR"],
+    res = subprocess.run(["git", "apply", "--check", os.path.abspath(_PATCH)], cwd=_MLM,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 
