@@ -23,6 +23,7 @@ venv: $(VENV)/.installed-$(EXTRAS)
 demo: venv
 	$(PY) -m striped_sp.demo --world-size 2
 	$(PY) examples/megatron/train_tiny_gpt.py
+	$(PY) examples/megatron/train_tiny_gpt.py --packed --steps 40 --batch 4 --seq-length 256
 
 test: venv
 	$(PY) -m pytest -q

@@ -17,6 +17,12 @@ Two runs train side by side from the same seed on the same global batches, with 
 * CP=1: every rank attends its own whole sequences, DP = world.
 
 Per step it prints both losses and their difference, then the largest difference.
+
+``--packed``: every row is a packed THD row of documents of uneven lengths (some shorter than
+the CP size), each holding its own key and queries, as Megatron's ``--sft`` path packs them
+(``cu_seqlens``, ``PackedSeqParams``); attention never crosses a document.  It also prints the
+padding that Megatron's native per-document zigzag (every document a multiple of 2 x CP) would
+need for the same rows, where striped needs none.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--init-std", type=float, default=0.1,
                    help="weight init std (larger than Megatron's 0.02 so the toy learns in ~80 steps)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--packed", action="store_true",
+                   help="packed THD rows of several documents each (Megatron's --sft format)")
     args = p.parse_args(argv)
     if args.world_size % args.cp != 0:
         p.error(f"--cp {args.cp} must divide --world-size {args.world_size}")
@@ -82,6 +90,70 @@ def make_batch(args, step: int) -> dict:
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
 
 
+def make_packed_rows(args, step: int) -> list:
+    """The global batch of ``step`` as packed rows: per row a dict of ``[1, seq]`` tensors and
+    ``cu_seqlens`` (int32 document bounds).  Each document: noise, its key in its first quarter,
+    queries at its end whose target is the key."""
+    gen = torch.Generator().manual_seed(args.seed * 1000 + step)
+    s, k = args.seq_length, args.keys
+    rows = []
+    for _ in range(args.batch):
+        lengths, left = [], s
+        while left > 0:
+            n = int(torch.randint(1, max(2, s // 3), (1,), generator=gen))
+            n = left if left - n < 8 else n
+            lengths.append(n)
+            left -= n
+        tokens = torch.randint(k + 1, args.vocab, (1, s), generator=gen)
+        labels = torch.zeros(1, s, dtype=torch.long)
+        loss_mask = torch.zeros(1, s)
+        position_ids = torch.zeros(1, s, dtype=torch.long)
+        start = 0
+        for n in lengths:
+            position_ids[0, start:start + n] = torch.arange(n)
+            answers = min(args.answers, n // 3)
+            if answers:
+                key = int(torch.randint(0, k, (1,), generator=gen))
+                tokens[0, start + int(torch.randint(0, max(1, n // 4), (1,), generator=gen))] = key
+                tokens[0, start + n - answers:start + n] = k
+                labels[0, start + n - answers:start + n] = key
+                loss_mask[0, start + n - answers:start + n] = 1.0
+            start += n
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+        rows.append({"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                     "position_ids": position_ids, "cu_seqlens": cu})
+    return rows
+
+
+def packed_train_step(model, opt, rows, total_tokens: float, algo: str, cp_group) -> float:
+    """One AdamW step over packed rows (one THD forward each, as micro-batch size 1); returns the
+    global mean loss.  Rows are padded only where the layout needs it (zigzag: every document)."""
+    import striped_sp
+    import striped_sp.megatron as sm
+    from striped_sp.megatron.toy import all_reduce_grads
+
+    opt.zero_grad(set_to_none=True)
+    local_sum = torch.zeros(())
+    for row in rows:
+        pad = striped_sp.pad_documents(row["cu_seqlens"], cp_group.size(), sm.layout_of(algo))
+        batch = {key: pad.pad(row[key], dim=1) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        lengths = (row["cu_seqlens"][1:] - row["cu_seqlens"][:-1]).tolist()
+        real = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+        padded = pad.cu_seqlens[:len(lengths) + 1].to(torch.int32)
+        max_seqlen = torch.tensor([int((pad.cu_seqlens[1:] - pad.cu_seqlens[:-1]).max())])
+        local, params = sm.get_thd_batch_on_this_cp_rank(batch, real, padded, max_seqlen, algo=algo,
+                                                         cp_group=cp_group)
+        losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                       packed_seq_params=params)
+        loss = (losses.float() * local["loss_mask"]).sum()
+        (loss / total_tokens).backward()
+        local_sum += loss.detach()
+    all_reduce_grads(model)
+    opt.step()
+    dist.all_reduce(local_sum)
+    return local_sum.item() / total_tokens
+
+
 def train_step(model, opt, batch, total_tokens: float) -> float:
     """One AdamW step; returns the global mean loss (all-reduced over the world = DP x CP)."""
     from striped_sp.megatron.toy import all_reduce_grads
@@ -95,6 +167,32 @@ def train_step(model, opt, batch, total_tokens: float) -> float:
     loss = local.detach().clone()
     dist.all_reduce(loss)
     return loss.item() / total_tokens
+
+
+def _dense_step(args, step, model_cp, opt_cp, model_ref, opt_ref, rank, world_size, dp_rank, dp_size):
+    import striped_sp.megatron as sm
+
+    full = make_batch(args, step)
+    total = float(full["loss_mask"].sum())
+    per_dp = args.batch // dp_size
+    mine = {k: v[dp_rank * per_dp:(dp_rank + 1) * per_dp] for k, v in full.items()}
+    loss_cp = train_step(model_cp, opt_cp, sm.get_batch_on_this_cp_rank(mine, args.algo), total)
+    per_rank = args.batch // world_size
+    own = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in full.items()}
+    return loss_cp, train_step(model_ref, opt_ref, own, total)
+
+
+def _print_padding(rows, cp: int) -> None:
+    import striped_sp
+
+    docs = sum(r["cu_seqlens"].numel() - 1 for r in rows)
+    tokens = sum(r["tokens"].size(1) for r in rows)
+    short = sum(int(((r["cu_seqlens"][1:] - r["cu_seqlens"][:-1]) < cp).sum()) for r in rows)
+    pads = {lay: sum(striped_sp.pad_documents(r["cu_seqlens"], cp, lay).padding_tokens for r in rows)
+            for lay in ("striped", "zigzag")}
+    print(f"packed rows of step 0: {docs} documents in {tokens} tokens ({short} shorter than CP={cp}); "
+          f"padding needed: striped {pads['striped']} tokens, native per-document zigzag "
+          f"{pads['zigzag']} tokens ({100 * pads['zigzag'] / tokens:.0f}% more)\n")
 
 
 def run(rank: int, world_size: int, args, init_method: str) -> None:
@@ -129,18 +227,23 @@ def run(rank: int, world_size: int, args, init_method: str) -> None:
         print(f"world {world_size} gloo ranks: CP={args.cp} x DP={dp_size} "
               f"(--context-parallel-algo {args.algo})  vs  CP=1 x DP={world_size}")
         print(f"chance loss ln({args.keys}) = {math.log(args.keys):.3f}\n")
+        if args.packed:
+            _print_padding(make_packed_rows(args, 0), args.cp)
         print(f"{'step':>4}  {'loss CP=' + str(args.cp):>12}  {'loss CP=1':>12}  {'|diff|':>9}")
     worst, first, last = 0.0, None, None
     t0 = time.time()
     for step in range(args.steps):
-        full = make_batch(args, step)
-        total = float(full["loss_mask"].sum())
-        per_dp = args.batch // dp_size
-        mine = {k: v[dp_rank * per_dp:(dp_rank + 1) * per_dp] for k, v in full.items()}
-        loss_cp = train_step(model_cp, opt_cp, sm.get_batch_on_this_cp_rank(mine, args.algo), total)
-        per_rank = args.batch // world_size
-        own = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in full.items()}
-        loss_ref = train_step(model_ref, opt_ref, own, total)
+        if args.packed:
+            rows = make_packed_rows(args, step)
+            total = float(sum(r["loss_mask"].sum() for r in rows))
+            per_dp, per_rank = args.batch // dp_size, args.batch // world_size
+            loss_cp = packed_train_step(model_cp, opt_cp, rows[dp_rank * per_dp:(dp_rank + 1) * per_dp],
+                                        total, args.algo, cp_group)
+            loss_ref = packed_train_step(model_ref, opt_ref, rows[rank * per_rank:(rank + 1) * per_rank],
+                                         total, args.algo, alone)
+        else:
+            loss_cp, loss_ref = _dense_step(args, step, model_cp, opt_cp, model_ref, opt_ref, rank,
+                                            world_size, dp_rank, dp_size)
         diff = abs(loss_cp - loss_ref)
         worst = max(worst, diff)
         first = loss_cp if first is None else first
