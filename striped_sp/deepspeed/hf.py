@@ -25,6 +25,7 @@ transformers' registry itself is.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from ..packing import document_positions
 __all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "hf_window", "register_hf_attention"]
 
 ATTN_IMPLEMENTATION = "striped_sp"
+#: set to 1 to make every rank raise when any rank's checks fail (also read by ``ring_attention``)
+CHECK_RANKS_ENV = "STRIPED_SP_CHECK_RANKS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +163,24 @@ def _boundaries(kwargs: dict):
     return cu_q
 
 
+def _agree_on_errors(error: ValueError | None, group, device) -> None:
+    """Raise ``error``; with ``STRIPED_SP_CHECK_RANKS=1`` first tell the group's other ranks (one
+    small all-reduce per call), so that they raise too instead of waiting in the ring."""
+    import torch.distributed as dist
+
+    if os.environ.get(CHECK_RANKS_ENV, "0") in ("", "0") or not dist.is_available() or not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    failed = torch.tensor([0 if error is None else 1], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise ValueError("striped_sp attention: the argument checks failed on another rank of the group "
+                         "(its own ValueError says why); no rank started the ring")
+
+
 def hf_window(sliding_window, causal: bool = True):
     """transformers' ``sliding_window=W`` as ``window_size=(W - 1, 0)``; ``None`` without one."""
     if sliding_window is None:
@@ -198,13 +219,18 @@ def hf_attention_forward(
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by the ring engine yet: use a model without it")
-    _check_mask(attention_mask)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    window = hf_window(kwargs.get("sliding_window"), causal)
-    cu_seqlens = _boundaries(kwargs)
-    position_ids = kwargs.get("position_ids")
-    if settings.check_positions and position_ids is not None and getattr(module, "layer_idx", 0) == 0:
-        _check_positions(position_ids, query.size(2), settings, cu_seqlens)
+    error = None
+    try:
+        _check_mask(attention_mask)
+        window = hf_window(kwargs.get("sliding_window"), causal)
+        cu_seqlens = _boundaries(kwargs)
+        position_ids = kwargs.get("position_ids")
+        if settings.check_positions and position_ids is not None and getattr(module, "layer_idx", 0) == 0:
+            _check_positions(position_ids, query.size(2), settings, cu_seqlens)
+    except ValueError as err:
+        error = err
+    _agree_on_errors(error, settings.group, query.device)
     out = ring_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), settings.group,
         layout=settings.layout, causal=causal, softmax_scale=scaling, backend=settings.backend,
