@@ -24,7 +24,12 @@ class ReferenceCoreAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        assert packed_seq_params is None, "the reference runs the full row as one bshd sequence"
+        if packed_seq_params is not None:  # one THD row: [t, h, d]; padding belongs to its document
+            bounds = packed_seq_params.cu_seqlens_q_padded
+            bounds = (packed_seq_params.cu_seqlens_q if bounds is None else bounds).tolist()
+            attention_mask = document_mask(bounds, query.size(0))
+            out = self.forward(*(t.unsqueeze(1) for t in (query, key, value)), attention_mask)
+            return out[:, 0]
         s = query.size(0)
         q, k, v = (t.double().permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         group = q.size(1) // k.size(1)

@@ -79,23 +79,32 @@ def _loss(out, loss_mask):
     return (out * loss_mask).sum()
 
 
-def check_thd(cp, algo, padded, window, seed, fused_rope=False):
+def check_thd(cp, algo, padded, window, seed, fused_rope=False, mtp=None):
     import striped_sp.megatron as sm
 
-    ref, model, group = _models(cp, algo, seed, window)
+    extra = dict(mtp_layers=mtp, calculate_per_token_loss=True) if mtp else {}
+    ref, model, group = _models(cp, algo, seed, window, **extra)
     batch, cu, cu_padded, max_seqlen, bounds = thd_row(cp, padded, seed + 1)
     total = batch["tokens"].size(1)
-    mask = document_mask(bounds, total)
-    ref_loss = _loss(ref(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"]),
-                     batch["loss_mask"])
+    if mtp:  # MTP rolls inside documents: the reference runs the packed row too (at CP=1)
+        ref.eval()
+        model.eval()
+        _, ref_params = sm.get_thd_batch_on_this_cp_rank(dict(batch), cu, cu_padded, max_seqlen,
+                                                         algo=algo, cp_group=_setup()[1])
+        out = ref(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                  loss_mask=batch["loss_mask"], packed_seq_params=ref_params)
+    else:
+        out = ref(batch["tokens"], batch["position_ids"], document_mask(bounds, total), labels=batch["labels"])
+    ref_loss = _loss(out, batch["loss_mask"])
     ref_loss.backward()
 
     local, params = sm.get_thd_batch_on_this_cp_rank(dict(batch), cu, cu_padded, max_seqlen,
                                                      algo=algo, cp_group=group)
     if fused_rope:
         _use_fused_rope_stand_in(model)
+    mtp_mask = dict(loss_mask=local["loss_mask"]) if mtp else {}  # MTP masks padding out of its loss
     loss = _loss(model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                       packed_seq_params=params), local["loss_mask"])
+                       packed_seq_params=params, **mtp_mask), local["loss_mask"])
     loss.backward()
     compare(model, ref, loss, ref_loss, group, seed)
 
@@ -137,6 +146,8 @@ def check_reset_mask(cp, algo, window, seed):
     ref, model, group = _models(cp, algo, seed, window)
     seq = 40
     rows = [(0, 13, 16, 17, 26, seq), (0, 1, 2, 30, seq)]  # per-row documents, some of 1 token
+    if algo == "zigzag":  # no documents: the window alone, on whole rows
+        rows = [(0, seq), (0, seq)]
     gen = torch.Generator().manual_seed(seed + 1)
     batch = {
         "tokens": torch.randint(0, VOCAB, (2, seq), generator=gen),
@@ -212,6 +223,11 @@ def _cases():
     cases.append(("reset-mask-cp4-striped-window", check_reset_mask, (4, "striped", WINDOW, SEED + 7)))
     cases.append(("reset-mask-cp2-ring-window", check_reset_mask, (2, "ring", WINDOW, SEED + 8)))
     cases.append(("thd-fused-rope-cp4-striped", check_thd_fused_rope, (4, "striped", SEED + 9)))
+    cases.append(("thd-padded-cp2-striped-mtp", check_thd, (2, "striped", True, None, SEED + 11, False, 1)))
+    cases.append(("thd-padded-cp2-ring-mtp", check_thd, (2, "ring", True, None, SEED + 11, False, 1)))
+    cases.append(("thd-padded-cp4-zigzag-mtp", check_thd, (4, "zigzag", True, None, SEED + 12, False, 1)))
+    for cp in (2, 4):
+        cases.append((f"rows-cp{cp}-zigzag-window", check_reset_mask, (cp, "zigzag", WINDOW, SEED + 13)))
     cases.append(("bad-packed-input", check_bad_packed_input_raises_everywhere, (SEED + 10,)))
     return cases
 

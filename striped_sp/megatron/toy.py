@@ -101,6 +101,8 @@ def tiny_gpt(
         for module in model.mtp.modules():
             if hasattr(module, "cp_group"):
                 module.cp_group = cp_group
+            if getattr(module, "pg_collection", None) is not None:  # RoPE of packed rows reads it
+                module.pg_collection.cp = cp_group
     return model
 
 
