@@ -27,7 +27,7 @@ _CACHE_ATTR = "_striped_sp_bounds"
 _MASK_ATTR = "_striped_sp_documents"
 
 
-def _ints(t) -> tuple[int, ...]:
+def boundary_ints(t) -> tuple[int, ...]:
     """A ``[n]`` or ``[1, n]`` boundary tensor (or list) as a tuple of ints."""
     if isinstance(t, torch.Tensor):
         if t.dim() == 2 and t.size(0) == 1:
@@ -46,8 +46,8 @@ def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tupl
     ones (``None``: no padding).  Documents of length 0 (repeated boundaries) are dropped; tokens
     after the last padded boundary form one more document.  ``ValueError`` names the rule broken.
     """
-    real = _ints(cu_seqlens)
-    padded = real if cu_seqlens_padded is None else _ints(cu_seqlens_padded)
+    real = boundary_ints(cu_seqlens)
+    padded = real if cu_seqlens_padded is None else boundary_ints(cu_seqlens_padded)
     if len(real) != len(padded):
         raise ValueError(f"cu_seqlens has {len(real)} entries and cu_seqlens_padded {len(padded)}: "
                          "they must describe the same documents")

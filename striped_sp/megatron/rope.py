@@ -42,20 +42,22 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group, *
 _POSITIONS: dict = {}
 
 
-def _thd_positions(cu_seqlens, seq_len: int, size: int, rank: int, layout: str, in_document: bool):
+def _thd_positions(cu_seqlens, seq_len: int, size: int, rank: int, layout: str, table_rows: int):
     """Rotary positions of this rank's tokens of a packed row: inside their document, or global
-    (``in_document=False``).  Cached by the boundary tensor (the same object every layer)."""
-    from .packed import thd_bounds
+    when the table has one row per token of the buffer (Megatron's rule).  Cached by the
+    boundary tensor (the same object in every layer), so the GPU is read once per batch."""
+    from .packed import boundary_ints, thd_bounds
 
-    key = (id(cu_seqlens), seq_len, size, rank, layout, in_document)
+    key = (id(cu_seqlens), seq_len, size, rank, layout, table_rows)
     hit = _POSITIONS.get(key)
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
-    bounds = thd_bounds(cu_seqlens, None, seq_len, "zigzag")  # the buffer's documents, padding inside
-    if in_document:
-        pos = document_positions(seq_len, size, rank, layout, bounds)
-    else:
+    given = boundary_ints(cu_seqlens)
+    bounds = thd_bounds(given, None, seq_len, "zigzag")  # the buffer's documents, padding inside
+    if table_rows == given[-1]:
         pos = positions(seq_len, size, rank, layout, bounds)
+    else:
+        pos = document_positions(seq_len, size, rank, layout, bounds)
     if isinstance(cu_seqlens, torch.Tensor):
         if len(_POSITIONS) > 64:
             _POSITIONS.clear()
@@ -78,9 +80,7 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens, freqs: torch.Tensor, c
     rank = 0 if cp_group is None else cp_group.rank()
     layout = "zigzag" if algo == "native" else layout_of(algo)
     seq_len = t.size(0) * size
-    full_table = freqs.size(0) == (int(cu_seqlens.reshape(-1)[-1]) if isinstance(cu_seqlens, torch.Tensor)
-                                   else int(cu_seqlens[-1]))
-    pos = _thd_positions(cu_seqlens, seq_len, size, rank, layout, in_document=not full_table)
+    pos = _thd_positions(cu_seqlens, seq_len, size, rank, layout, freqs.size(0))
     if pos.numel() and int(pos.max()) >= freqs.size(0):
         raise ValueError(f"a packed document reaches position {int(pos.max())} but the rotary table has "
                          f"{freqs.size(0)} rows: max_seqlen of the packed batch is too small")
