@@ -201,19 +201,20 @@ def _case_hf_unsharded_positions_rejected():
         model(input_ids=ids)
 
 
-def _case_hf_sliding_window_rejected():
-    from transformers import MistralConfig, MistralForCausalLM
+def _case_hf_softcap_rejected():
+    """Soft-capping stays refused (sliding windows are accepted: tests/test_deepspeed_packed.py)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from striped_sp import positions
     from striped_sp.deepspeed import enable_hf_attention
 
-    cfg = MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-    model = enable_hf_attention(MistralForCausalLM(cfg), _STATE["group"], "striped")
+    cfg = Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1, head_dim=8,
+                       num_attention_heads=4, num_key_value_heads=2, sliding_window=4, attn_logit_softcapping=50.0)
+    model = enable_hf_attention(Gemma2ForCausalLM(cfg), _STATE["group"], "striped")
     n = SEQ // WORLD
     ids = _batch()["input_ids"][:, :n]
     pos = positions(SEQ, WORLD, dist.get_rank(_STATE["group"])).expand(ids.size(0), -1)
-    with pytest.raises(ValueError, match="sliding_window=4 is not supported"):
+    with pytest.raises(ValueError, match="softcap is not supported"):
         model(input_ids=ids, position_ids=pos)
 
 
@@ -228,7 +229,7 @@ def _case_hf_padding_mask_rejected():
     mask = torch.ones_like(ids)
     model(input_ids=ids, position_ids=pos, attention_mask=mask)  # all valid: accepted
     mask[0, 0] = 0
-    with pytest.raises(ValueError, match="padding"):
+    with pytest.raises(ValueError, match="padding.*shard_batch"):  # the sharded batch carries no mask
         model(input_ids=ids, position_ids=pos, attention_mask=mask)
 
 
@@ -396,7 +397,7 @@ CASES += [("attention_uneven_heads", _case_distributed_attention_uneven_heads, (
 CASES += [(f"hf_{lay}", _case_hf_model, (lay,)) for lay in ("striped", "zigzag", "contiguous")]
 CASES += [("hf_striped_mqa_3_heads", _case_hf_model, ("striped", 3, 1))]
 CASES += [("hf_positions", _case_hf_unsharded_positions_rejected, ())]
-CASES += [("hf_sliding_window", _case_hf_sliding_window_rejected, ())]
+CASES += [("hf_softcap", _case_hf_softcap_rejected, ())]
 CASES += [("hf_padding_mask", _case_hf_padding_mask_rejected, ())]
 CASES += [("engine_sp1", _case_engine_sp1, ())]  # before any SP=2 engine (DeepSpeed keeps groups.mpu)
 CASES += [(f"engine_sp2_{algo}", _case_engine_sp2, (algo,)) for algo in ("striped", "zigzag", "ring")]
