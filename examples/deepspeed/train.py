@@ -7,6 +7,7 @@ Both runs see the same global batch: the SP=1 run has more data-parallel replica
 proportionally fewer gradient-accumulation steps.
 
     python examples/deepspeed/train.py                      # spawns 2 CPU ranks itself
+    python examples/deepspeed/train.py --packed --window 64 # packed documents, a Mistral window
     torchrun --nproc_per_node 2 examples/deepspeed/train.py # or any launcher that sets RANK etc.
 
 On CPU it sets ``DS_ACCELERATOR=cpu`` (gloo); ``striped_sp.deepspeed.initialize`` skips
@@ -33,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--packed", action="store_true",
+                   help="rows of 5 documents of random lengths, position_ids restarting per document")
+    p.add_argument("--window", type=int, default=None, help="a Mistral model with this sliding_window")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not started by a launcher")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p.parse_args(argv)
@@ -54,14 +58,36 @@ class PatternData(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def tiny_llama(vocab):
-    from transformers import LlamaConfig, LlamaForCausalLM
+class PackedPatternData(PatternData):
+    """Rows packed from 5 pattern documents of seeded random lengths (as DataCollatorWithFlattening
+    lays them out: ``position_ids`` restart at 0 per document).  Every row has the same number of
+    targets, so data-parallel averaging and the SP=2 run weight tokens alike."""
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(2000 + i)
+        cuts = torch.randperm(self.seq_len - 1, generator=g)[:4].add(1).sort().values.tolist()
+        bounds = [0, *cuts, self.seq_len]
+        docs = [super(PackedPatternData, self).__getitem__(7 * i + d)["input_ids"][: b - a]
+                for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        ids = torch.cat(docs)
+        pos = torch.cat([torch.arange(len(d)) for d in docs])
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
+
+
+def tiny_llama(vocab, window=None):
+    """A Llama-style model; with ``window``, a Mistral (the same, with ``sliding_window``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      attention_dropout=0.0, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  attention_dropout=0.0, tie_word_embeddings=False)
+    if window is None:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=window))
+    # training: no KV cache (with one, transformers' sdpa/eager masks ignore the packed documents)
+    model.config.use_cache = False
     model.set_attn_implementation("sdpa")
     return model
 
@@ -72,12 +98,12 @@ def train(config: dict, args, vocab=128) -> list[float]:
 
     import striped_sp.deepspeed as ssd
 
-    model = tiny_llama(vocab)
+    model = tiny_llama(vocab, args.window)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     world = int(os.environ["WORLD_SIZE"])
     sp = config.get("sequence_parallel_size", 1)
     global_batch = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * (world // sp)
-    data = PatternData(args.steps * global_batch, args.seq_len, vocab)
+    data = (PackedPatternData if args.packed else PatternData)(args.steps * global_batch, args.seq_len, vocab)
     engine, _, loader, _ = ssd.initialize(model=model, optimizer=optimizer, training_data=data, config=config)
     gas = engine.gradient_accumulation_steps()
     dp_group = None  # averaging over every rank = over data parallel (SP ranks hold equal values)
@@ -119,7 +145,8 @@ def main(args) -> None:
     losses = train(config, args)
     algo = config.get("context_parallel", {}).get("algo", "striped")
     if rank == 0:
-        print(f"\nloss per step, world size {world}, seq len {args.seq_len}")
+        extra = (", packed rows of 5 documents" if args.packed else "") + (f", window {args.window}" if args.window else "")
+        print(f"\nloss per step, world size {world}, seq len {args.seq_len}{extra}")
         print(f"{'step':>4}  {'SP=1':>12}  {f'SP={sp} {algo}':>16}  {'rel diff':>9}")
         for step, (a, b) in enumerate(zip(ref_losses, losses), 1):
             print(f"{step:>4}  {a:>12.6f}  {b:>16.6f}  {abs(a - b) / abs(a):>9.2e}")
