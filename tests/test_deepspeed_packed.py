@@ -273,6 +273,15 @@ def _case_errors():
             model(**other)
     finally:
         del os.environ["STRIPED_SP_CHECK_RANKS"]
+    # ranks that load different micro-batches: the loader's opt-in check raises on every rank
+    from striped_sp.deepspeed import ShardedDataLoader
+
+    batches = [_flattened(), _flattened(lengths=DOCS[::-1] if rank == 1 else DOCS)]
+    loader = ShardedDataLoader(batches, group, "striped", check_ranks=True)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError, match=r"different micro-batches \(ranks \[1\]"):
+        next(it)
     q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
     kv = torch.randn(1, 2, 8, 8, dtype=torch.float64)
 

@@ -10,11 +10,11 @@ deepspeed and transformers are imported lazily, inside the functions that need t
 """
 
 from .config import ALGOS, ContextParallelSettings, load_config, parse_config
-from .data import IGNORE_INDEX, ShardedDataLoader, shard_batch
+from .data import IGNORE_INDEX, ShardedDataLoader, check_same_batch, shard_batch
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups
-from .hf import ATTN_IMPLEMENTATION, enable_hf_attention, hf_attention_forward, register_hf_attention
+from .hf import ATTN_IMPLEMENTATION, enable_hf_attention, hf_attention_forward, hf_window, register_hf_attention
 from .initialize import adapt_model, global_loss_hook, initialize
 
 __all__ = [
@@ -26,10 +26,12 @@ __all__ = [
     "ALGOS",
     "shard_batch",
     "ShardedDataLoader",
+    "check_same_batch",
     "IGNORE_INDEX",
     "enable_hf_attention",
     "register_hf_attention",
     "hf_attention_forward",
+    "hf_window",
     "ATTN_IMPLEMENTATION",
     "sequence_parallel_groups",
     "SequenceParallelGroups",

@@ -40,7 +40,7 @@ import torch
 from ..layouts import get_layout, positions
 from .packed import CU_KEYS, MAX_KEYS, find_documents, pack_rows
 
-__all__ = ["shard_batch", "ShardedDataLoader", "IGNORE_INDEX"]
+__all__ = ["shard_batch", "ShardedDataLoader", "IGNORE_INDEX", "check_same_batch"]
 
 IGNORE_INDEX = -100
 
@@ -161,28 +161,70 @@ def shard_batch(
     return out
 
 
+def _digest(batch: Mapping[str, Any]) -> list[int]:
+    """Shape and checksums of the tensors that decide tokens and documents (equal batches, equal digests)."""
+    out = list(batch["input_ids"].shape)
+    for key in ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "labels"):
+        value = batch.get(key)
+        if not isinstance(value, torch.Tensor):
+            out.append(-1)
+            continue
+        flat = value.detach().flatten().long().cpu()
+        out.append(int((flat * (torch.arange(flat.numel()) % 1000003 + 1)).sum()) % (1 << 61))
+    return out
+
+
+def check_same_batch(batch: Mapping[str, Any], group) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless all hold the same full micro-batch
+    (one small all-gather of shapes and checksums)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(_digest(batch), dtype=torch.int64)
+    n = dist.get_world_size(group)
+    every = torch.empty(n * mine.numel(), dtype=torch.int64)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    rows = every.view(n, -1).tolist()
+    if any(row != rows[0] for row in rows):
+        differ = [r for r, row in enumerate(rows) if row != rows[0]]
+        raise ValueError(
+            f"the ranks of the sequence-parallel group loaded different micro-batches (ranks {differ} differ "
+            "from rank 0 in input_ids, position_ids, attention_mask, cu_seq_lens_q or labels): every rank "
+            "of a group must load the same full micro-batch (shard_batch then keeps its own tokens)")
+
+
 class ShardedDataLoader:
     """Wraps a loader of full micro-batches; yields this rank's :func:`shard_batch` of each.
 
     ``group``: the sequence-parallel group (``None``: one rank, which still gets shifted labels and
-    ``num_items_in_batch``).  Every rank of the group must see the same batches.
+    ``num_items_in_batch``).  Every rank of the group must see the same batches; ``check_ranks``
+    (default: ``STRIPED_SP_CHECK_RANKS=1`` in the environment) checks that on every batch with one
+    small all-gather (:func:`check_same_batch`).
     """
 
-    def __init__(self, loader: Iterable, group=None, layout: str = "striped", ignore_index: int = IGNORE_INDEX):
+    def __init__(self, loader: Iterable, group=None, layout: str = "striped", ignore_index: int = IGNORE_INDEX,
+                 check_ranks: bool | None = None):
+        import os
+
         import torch.distributed as dist
 
         get_layout(layout)
         self.loader = loader
         self.layout = layout
         self.ignore_index = ignore_index
+        self.group = group
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
+        if check_ranks is None:
+            check_ranks = os.environ.get("STRIPED_SP_CHECK_RANKS", "0") not in ("", "0")
+        self.check_ranks = bool(check_ranks) and self.world_size > 1
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self):
         for batch in self.loader:
+            if self.check_ranks:
+                check_same_batch(batch, self.group)
             yield shard_batch(batch, self.world_size, self.rank, self.layout, self.ignore_index)
 
     def __getattr__(self, name):  # sampler, dataset, batch_size, ... of the wrapped loader
