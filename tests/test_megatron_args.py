@@ -52,6 +52,7 @@ def test_valid_settings_pass():
     # packed rows, EOD-reset documents and windows, with the per-token loss where ranks differ
     sm.validate_args(_args(sft=True, eod_mask_loss=True, calculate_per_token_loss=True))
     sm.validate_args(_args(reset_attention_mask=True, reset_position_ids=True, window_size=(64, 0)))
+    sm.validate_args(_args(reset_attention_mask=True, pipeline_model_parallel_size=2))
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -65,6 +66,9 @@ def test_valid_settings_pass():
     (dict(sft=True), "--calculate-per-token-loss"),
     (dict(eod_mask_loss=True), "--calculate-per-token-loss"),
     (dict(context_parallel_algo="zigzag", reset_attention_mask=True), "--context-parallel-algo striped"),
+    (dict(sft=True, calculate_per_token_loss=True, pipeline_model_parallel_size=4), "--pipeline-model-parallel-size"),
+    (dict(reset_attention_mask=True, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+     "without a virtual pipeline"),
     (dict(reset_attention_mask=True, create_attention_mask_in_dataloader=False),
      "--no-create-attention-mask-in-dataloader"),
     (dict(hierarchical_context_parallel_sizes=[2, 2]), "--hierarchical-context-parallel-sizes"),

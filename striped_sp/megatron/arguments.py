@@ -146,6 +146,7 @@ def validate_args(args) -> None:
             f"{flag} cuts each packed document into 2 * CP chunks and cannot run the documents of "
             "--reset-attention-mask inside whole rows: use --context-parallel-algo striped or ring"
         )
+    _check_pipeline_documents(args, flag)
     _check_loss_weighting(args, flag)
     if getattr(args, "use_legacy_models", False):
         raise ValueError(f"{flag} needs megatron-core models: drop --use-legacy-models")
@@ -180,4 +181,22 @@ def _check_loss_weighting(args, flag: str) -> None:
             f"{flag} with {' and '.join(masked)} gives each CP rank a different number of loss tokens, "
             "and Megatron would weight the ranks unequally: add --calculate-per-token-loss (the exact "
             "per-token loss over the whole CP group)"
+        )
+
+
+def _check_pipeline_documents(args, flag: str) -> None:
+    """pretrain_gpt.py gives a batch (and so the documents: ``packed_seq_params`` or the
+    attention mask) only to the first and last pipeline stage; a middle stage would run its
+    layers without them, as one causal row."""
+    docs = [name for name, on in (("--sft", getattr(args, "sft", False)),
+                                  ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)))
+            if on]
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None) or getattr(
+        args, "num_layers_per_virtual_pipeline_stage", None)
+    if docs and (pp > 2 or (pp > 1 and virtual)):
+        raise ValueError(
+            f"{flag} with {' and '.join(docs)} needs every pipeline stage to see the documents, but "
+            "pretrain_gpt.py gives a batch only to the first and last stage: use "
+            "--pipeline-model-parallel-size 1 or 2 without a virtual pipeline"
         )
