@@ -75,8 +75,10 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
 
     ``layout``: the core layout its inputs are sharded in (``"striped"``, ``"zigzag"``,
     ``"contiguous"``).  ``check_positions``: in the first attention layer of every forward, check
-    that ``position_ids`` are the layout's positions of this rank (catches a batch that was not
-    sharded by :func:`striped_sp.deepspeed.shard_batch`).  Returns ``model``.
+    that ``position_ids`` are the layout's positions of this rank, or with ``cu_seq_lens_q`` the
+    positions inside its documents (catches a batch that was not sharded by
+    :func:`striped_sp.deepspeed.shard_batch`, or packed positions without their boundaries).
+    Returns ``model``.
     """
     global _ACTIVE
     get_layout(layout)
