@@ -53,6 +53,7 @@ def test_valid_settings_pass():
     sm.validate_args(_args(sft=True, eod_mask_loss=True, calculate_per_token_loss=True))
     sm.validate_args(_args(reset_attention_mask=True, reset_position_ids=True, window_size=(64, 0)))
     sm.validate_args(_args(reset_attention_mask=True, pipeline_model_parallel_size=2))
+    sm.validate_args(_args(mtp_num_layers=1, calculate_per_token_loss=True, window_size=(-1, 0)))
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -65,6 +66,9 @@ def test_valid_settings_pass():
     (dict(attention_dropout=0.1), "--attention-dropout 0"),
     (dict(sft=True), "--calculate-per-token-loss"),
     (dict(eod_mask_loss=True), "--calculate-per-token-loss"),
+    (dict(mtp_num_layers=1), "--calculate-per-token-loss"),
+    (dict(window_size=(64, -1)), "--window-size 64,-1"),
+    (dict(window_size=(64, 2)), "must be L,0"),
     (dict(context_parallel_algo="zigzag", reset_attention_mask=True), "--context-parallel-algo striped"),
     (dict(sft=True, calculate_per_token_loss=True, pipeline_model_parallel_size=4), "--pipeline-model-parallel-size"),
     (dict(reset_attention_mask=True, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),

@@ -140,10 +140,31 @@ def check_thd_fused_rope(cp, algo, seed):
         rope_utils.fused_apply_rotary_pos_emb = saved
 
 
-def check_reset_mask(cp, algo, window, seed):
+_RECOMPUTE = {
+    None: {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def _cpu_rng_checkpointing():
+    """Megatron's CheckpointFunction saves and restores the CUDA RNG states (its only CUDA-only
+    part); on CPU, save and restore the CPU state instead.  A test shim, never in the product."""
+    from megatron.core.tensor_parallel import random as tpr
+
+    tpr._get_all_rng_states = lambda: (torch.get_rng_state(), None, {})
+    tpr._set_all_rng_states = lambda cpu, cuda, tracker: torch.set_rng_state(cpu)
+
+
+def check_reset_mask(cp, algo, window, seed, recompute=None):
+    """Replays of attention under activation recomputation see ``mask.detach()``, a new tensor
+    object: the documents must still be found."""
     import striped_sp.megatron as sm
 
-    ref, model, group = _models(cp, algo, seed, window)
+    if recompute:
+        _cpu_rng_checkpointing()
+    ref, model, group = _models(cp, algo, seed, window, **_RECOMPUTE[recompute])
+    model.train()
     seq = 40
     rows = [(0, 13, 16, 17, 26, seq), (0, 1, 2, 30, seq)]  # per-row documents, some of 1 token
     if algo == "zigzag":  # no documents: the window alone, on whole rows
@@ -164,6 +185,26 @@ def check_reset_mask(cp, algo, window, seed):
                        labels=local["labels"]), local["loss_mask"])
     loss.backward()
     compare(model, ref, loss, ref_loss, group, seed)
+
+
+def check_mask_from_elsewhere(cp, seed):
+    """A mask sliced without our batch slicing: plain causal rows run (and are exact); document
+    rows raise ValueError on every rank, before the ring."""
+    ref, model, group = _models(cp, "striped", seed, None)
+    rank, seq = dist.get_rank(group), 40
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens, labels = (torch.randint(0, VOCAB, (1, seq), generator=gen) for _ in range(2))
+    pos = torch.arange(seq)[None]
+    local = lambda t, dim=1: striped_sp.shard(t, cp, rank, dim=dim, layout="striped")  # noqa: E731
+    causal = document_mask((0, seq), seq)
+    ref_loss = ref(tokens, pos, causal, labels=labels).sum()
+    ref_loss.backward()
+    loss = model(local(tokens), local(pos), local(causal, 2), labels=local(labels)).sum()
+    loss.backward()
+    compare(model, ref, loss, ref_loss, group, seed)
+    with pytest.raises(ValueError, match="not plain causal"):
+        model(local(tokens), local(pos), local(document_mask((0, 9, seq), seq), 2), labels=local(labels))
+    dist.barrier()
 
 
 def check_packed_roll(cp, algo, seed):
@@ -228,6 +269,11 @@ def _cases():
     cases.append(("thd-padded-cp4-zigzag-mtp", check_thd, (4, "zigzag", True, None, SEED + 12, False, 1)))
     for cp in (2, 4):
         cases.append((f"rows-cp{cp}-zigzag-window", check_reset_mask, (cp, "zigzag", WINDOW, SEED + 13)))
+    cases.append(("reset-mask-cp2-striped-recompute-selective", check_reset_mask,
+                  (2, "striped", None, SEED + 14, "selective")))
+    cases.append(("reset-mask-cp4-ring-recompute-full", check_reset_mask, (4, "ring", WINDOW, SEED + 15, "full")))
+    cases.append(("mask-from-elsewhere-cp2", check_mask_from_elsewhere, (2, SEED + 16)))
+    cases.append(("mask-from-elsewhere-cp4", check_mask_from_elsewhere, (4, SEED + 17)))
     cases.append(("bad-packed-input", check_bad_packed_input_raises_everywhere, (SEED + 10,)))
     return cases
 

@@ -146,6 +146,17 @@ def validate_args(args) -> None:
             f"{flag} cuts each packed document into 2 * CP chunks and cannot run the documents of "
             "--reset-attention-mask inside whole rows: use --context-parallel-algo striped or ring"
         )
+    window = getattr(args, "window_size", None)
+    if window is not None:
+        try:
+            left, right = (int(x) for x in window)
+        except (TypeError, ValueError):
+            raise ValueError(f"{flag}: --window-size {window!r} must be two integers L,R") from None
+        if left < -1 or right != 0:
+            raise ValueError(
+                f"{flag}: --window-size {left},{right} must be L,0 with L >= 0 (or -1 for no limit): "
+                "GPT attention is causal, so a query sees the L tokens before it and itself"
+            )
     _check_pipeline_documents(args, flag)
     _check_loss_weighting(args, flag)
     if getattr(args, "use_legacy_models", False):
@@ -168,14 +179,18 @@ def validate_args(args) -> None:
 
 
 def _check_loss_weighting(args, flag: str) -> None:
-    """With masked loss tokens (``--eod-mask-loss``, or the padding and prompts that ``--sft``
-    masks) each CP rank holds a different number of counted tokens.  Megatron then divides every
+    """With masked loss tokens (``--eod-mask-loss``, the padding and prompts that ``--sft``
+    masks, MTP's rolled-out last tokens) each CP rank holds a different number of counted tokens.  Megatron then divides every
     rank's loss by its own count, which weights ranks unequally: only the per-token loss (summed
     over DP x CP, divided by the global count) gives the gradient of the loss without CP."""
     if getattr(args, "calculate_per_token_loss", False):
         return
     masked = [name for name, on in (("--eod-mask-loss", getattr(args, "eod_mask_loss", False)),
-                                    ("--sft", getattr(args, "sft", False))) if on]
+                                    ("--sft", getattr(args, "sft", False)),
+                                    # MTP's rolled loss mask drops the row's (and each document's)
+                                    # last token, which only one rank holds
+                                    ("--mtp-num-layers", getattr(args, "mtp_num_layers", None)))
+              if on]
     if masked:
         raise ValueError(
             f"{flag} with {' and '.join(masked)} gives each CP rank a different number of loss tokens, "

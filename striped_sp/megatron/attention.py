@@ -16,6 +16,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
@@ -255,19 +256,32 @@ def _layer_window(config, layer_number: int):
 
 def _vet_local_mask(mask: torch.Tensor, group, layout: str, local_len: int):
     """A mask that did not come through our batch slicing: accept it only if its local rows are
-    the plain causal mask (what the ring runs); documents need :func:`get_batch_on_this_cp_rank`."""
+    the plain causal mask (what the ring runs); documents need :func:`get_batch_on_this_cp_rank`.
+    Once per mask object; the ranks agree (one small all-reduce) before any of them raises, so a
+    rank whose rows look causal never waits in the ring for one that refused."""
     size = _group_size(group)
     rank = 0 if group is None else group.rank()
-    rows = positions(local_len * size, size, rank, layout).to(mask.device)
-    m = mask[:, 0] if mask.dim() == 4 else mask
-    if m.dim() != 3 or m.size(1) != local_len or m.size(2) != local_len * size:
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}: expected [b, 1, {local_len}, "
-                         f"{local_len * size}] (this rank's query rows, every key)")
-    documents = packed.documents_from_mask(mask, rows=rows)
-    if any(len(b) > 2 for b in documents):
+    error = None
+    try:
+        rows = positions(local_len * size, size, rank, layout).to(mask.device)
+        m = mask[:, 0] if mask.dim() == 4 else mask
+        if m.dim() != 3 or m.size(1) != local_len or m.size(2) != local_len * size:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}: expected [b, 1, {local_len}, "
+                             f"{local_len * size}] (this rank's query rows, every key)")
+        documents = packed.documents_from_mask(mask, rows=rows)
+        if any(len(b) > 2 for b in documents):
+            raise ValueError("its rows hold document starts")
+    except ValueError as err:
+        error = err
+    if size > 1:
+        failed = torch.tensor([0 if error is None else 1], device=mask.device)
+        dist.all_reduce(failed, group=group)
+        if error is None and int(failed):
+            error = ValueError("another rank's rows of it are not plain causal")
+    if error is not None:
         raise ValueError(
-            "attention_mask has documents (--reset-attention-mask) but did not come through "
-            "striped_sp's batch slicing, so the other ranks' document starts are unknown: slice batches "
-            "with striped_sp.megatron.get_batch_on_this_cp_rank (install() makes Megatron's own do it)")
+            f"attention_mask is not plain causal ({error}) and did not come through striped_sp's batch "
+            "slicing, which reads --reset-attention-mask documents from the full mask: slice batches with "
+            "striped_sp.megatron.get_batch_on_this_cp_rank (install() makes Megatron's own do it)") from None
     packed.attach(mask, documents)
     return documents

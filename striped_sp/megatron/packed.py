@@ -16,6 +16,7 @@ checks that it is exactly that.  The bounds travel with the sliced mask tensor (
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -147,15 +148,32 @@ def documents_from_mask(mask: torch.Tensor, rows: Optional[torch.Tensor] = None,
     return tuple(out)
 
 
+_ATTACHED: dict = {}
+
+
+def _storage_key(mask: torch.Tensor) -> tuple:
+    return (mask.device, mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.storage_offset())
+
+
 def attach(mask: torch.Tensor, documents: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """Record ``documents`` (from :func:`documents_from_mask`) on ``mask``; returns ``mask``."""
+    """Record ``documents`` (from :func:`documents_from_mask`) for ``mask``; returns ``mask``.
+
+    Kept on the tensor object and in a table keyed by its storage, so that a detached copy of it
+    (activation recomputation replays attention on ``mask.detach()``) finds them too; the entry
+    goes when ``mask`` does."""
     setattr(mask, _MASK_ATTR, documents)
+    key = _storage_key(mask)
+    if key not in _ATTACHED:
+        weakref.finalize(mask, _ATTACHED.pop, key, None)
+    _ATTACHED[key] = documents
     return mask
 
 
 def attached(mask: torch.Tensor) -> Optional[tuple[tuple[int, ...], ...]]:
-    """The documents recorded on ``mask`` by :func:`attach`, or ``None``."""
-    return getattr(mask, _MASK_ATTR, None)
+    """The documents recorded by :func:`attach` for ``mask`` or a tensor viewing the same
+    storage the same way, or ``None``."""
+    found = getattr(mask, _MASK_ATTR, None)
+    return found if found is not None else _ATTACHED.get(_storage_key(mask))
 
 
 def flatten_rows(documents: tuple[tuple[int, ...], ...], batch: int) -> tuple[int, ...]:

@@ -42,13 +42,13 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group, *
 _POSITIONS: dict = {}
 
 
-def _thd_positions(cu_seqlens, seq_len: int, size: int, rank: int, layout: str, table_rows: int):
+def _thd_positions(cu_seqlens, seq_len: int, size: int, rank: int, layout: str, table_rows: int, device):
     """Rotary positions of this rank's tokens of a packed row: inside their document, or global
     when the table has one row per token of the buffer (Megatron's rule).  Cached by the
     boundary tensor (the same object in every layer), so the GPU is read once per batch."""
     from .packed import boundary_ints, thd_bounds
 
-    key = (id(cu_seqlens), seq_len, size, rank, layout, table_rows)
+    key = (id(cu_seqlens), seq_len, size, rank, layout, table_rows, device)
     hit = _POSITIONS.get(key)
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
@@ -58,6 +58,10 @@ def _thd_positions(cu_seqlens, seq_len: int, size: int, rank: int, layout: str, 
         pos = positions(seq_len, size, rank, layout, bounds)
     else:
         pos = document_positions(seq_len, size, rank, layout, bounds)
+    if pos.numel() and int(pos.max()) >= table_rows:
+        raise ValueError(f"a packed document reaches position {int(pos.max())} but the rotary table has "
+                         f"{table_rows} rows: max_seqlen of the packed batch is too small")
+    pos = pos.to(device)  # once per batch, not per layer
     if isinstance(cu_seqlens, torch.Tensor):
         if len(_POSITIONS) > 64:
             _POSITIONS.clear()
@@ -80,11 +84,8 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens, freqs: torch.Tensor, c
     rank = 0 if cp_group is None else cp_group.rank()
     layout = "zigzag" if algo == "native" else layout_of(algo)
     seq_len = t.size(0) * size
-    pos = _thd_positions(cu_seqlens, seq_len, size, rank, layout, freqs.size(0))
-    if pos.numel() and int(pos.max()) >= freqs.size(0):
-        raise ValueError(f"a packed document reaches position {int(pos.max())} but the rotary table has "
-                         f"{freqs.size(0)} rows: max_seqlen of the packed batch is too small")
-    rows = freqs.index_select(0, pos.to(freqs.device))  # [t_local, 1, 1, rot_dim]
+    pos = _thd_positions(cu_seqlens, seq_len, size, rank, layout, freqs.size(0), freqs.device)
+    rows = freqs.index_select(0, pos)  # [t_local, 1, 1, rot_dim]
     fused = getattr(rope_utils, "fused_apply_rotary_pos_emb", None)
     if getattr(config, "apply_rope_fusion", False) and fused is not None and mscale == 1.0:
         return fused(t.unsqueeze(1), rows, interleaved=config.rotary_interleaved).squeeze(1)
