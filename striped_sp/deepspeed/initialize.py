@@ -9,7 +9,8 @@ Order of work (all validation before the first collective):
 5. point the model's attention at the ring engine: DeepSpeed ``DistributedAttention`` modules are
    swapped for :class:`.DistributedAttention`, ours are configured, a transformers model gets
    ``attn_implementation="striped_sp"`` and a loss that is the global value on every rank;
-6. ``deepspeed.initialize`` with the groups as ``mpu``;
+6. ``deepspeed.initialize`` with the groups as ``mpu``; under ZeRO-3 its reduce-scatter is made to
+   sum over the SP group as the other stages do (:mod:`.zero`);
 7. the training data loader: a data-parallel sampler (every rank of an SP group gets the same
    samples) under :class:`.ShardedDataLoader` (shifted labels, local tokens in the layout).
 """
@@ -28,6 +29,7 @@ from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups
 from .data import IGNORE_INDEX, ShardedDataLoader
+from .zero import fix_zero3_sequence_parallel_grads
 
 __all__ = ["initialize", "adapt_model", "global_loss_hook"]
 
@@ -226,6 +228,7 @@ def initialize(
         mpu=groups.mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,
         config=cfg, mesh_param=mesh_param,
     )
+    fix_zero3_sequence_parallel_grads(engine)
     engine.context_parallel = settings
     engine.context_parallel_group = groups.group
     loader = None
