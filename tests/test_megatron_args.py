@@ -84,3 +84,18 @@ def test_valid_settings_pass():
 def test_each_validation_error_names_the_setting(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         sm.validate_args(_args(**kw))
+
+
+def test_supported_megatron_versions(monkeypatch):
+    from striped_sp.megatron import version
+
+    for ok in ("0.16.1", "0.17.1", "0.18.2", "0.19.2", "0.19.0rc1"):
+        assert version.check_supported(ok) == ok
+    monkeypatch.delenv(version.ALLOW_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"megatron-core 0\.15\.3 .*STRIPED_SP_ALLOW_UNTESTED_MEGATRON=1"):
+        version.check_supported("0.15.3")
+    with pytest.raises(ValueError, match="0.20.0"):
+        version.check_supported("0.20.0")
+    monkeypatch.setenv(version.ALLOW_ENV, "1")
+    with pytest.warns(UserWarning, match="outside the range"):
+        assert version.check_supported("0.20.0") == "0.20.0"

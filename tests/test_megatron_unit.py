@@ -308,23 +308,30 @@ def test_installed_hybrid_slicing_refuses():
 
 # ---------------------------------------------------------------- the Megatron-LM patch
 
-_PATCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "patches", "megatron_lm_core_v0.16.1_context_parallel_algo.patch")
+_PATCHES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches")
+_TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
+_SHARED_MLM = os.path.join(_PATCHES, "..", "..", "shared", "megatron-lm")
 
 
-def test_patch_file_exists():
-    assert os.path.isfile(_PATCH)
+def _patch(tag):
+    return os.path.join(_PATCHES, f"megatron_lm_{tag}_context_parallel_algo.patch")
 
 
-_SHARED_MLM = os.path.join(os.path.dirname(_PATCH), "..", "..", "shared", "megatron-lm", "core_v0.16.1")
-_MLM = os.environ.get("MEGATRON_LM_DIR") or (_SHARED_MLM if os.path.isdir(_SHARED_MLM) else None)
+def test_one_patch_per_release_line():
+    assert sorted(os.listdir(_PATCHES)) == sorted(os.path.basename(_patch(t)) for t in _TAGS)
 
 
-@pytest.mark.skipif(_MLM is None, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
-def test_patch_applies_to_megatron_lm():
+@pytest.mark.parametrize("tag", _TAGS)
+def test_patch_applies_to_megatron_lm(tag):
+    """``git apply --check`` of each patch against its Megatron-LM tag (``../shared/megatron-lm``,
+    or ``MEGATRON_LM_DIR`` for the tag it is checked out at)."""
+    root = os.environ.get("MEGATRON_LM_DIR") if os.environ.get("MEGATRON_LM_TAG") == tag else None
+    root = root or os.path.join(_SHARED_MLM, tag)
+    if not os.path.isfile(os.path.join(root, "pretrain_gpt.py")):
+        pytest.skip(f"no Megatron-LM {tag} sources: set MEGATRON_LM_DIR and MEGATRON_LM_TAG={tag}")
     if shutil.which("git") is None:
         pytest.skip("git not found")
-    res = subprocess.run(["git", "apply", "--check", os.path.abspath(_PATCH)], cwd=_MLM,
+    res = subprocess.run(["git", "apply", "--check", os.path.abspath(_patch(tag))], cwd=root,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 

@@ -22,7 +22,8 @@ from .arguments import check_algo, layout_of
 
 __all__ = ["get_batch_on_this_cp_rank", "get_thd_batch_on_this_cp_rank", "roll_tensor", "cp_size_and_rank"]
 
-_THD_SKIP = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+#: batch entries that are not [b, s] token tensors (attention_mask first: sliced on its rows)
+_THD_SKIP = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size")
 
 
 def cp_size_and_rank(cp_group=None) -> tuple[int, int]:
@@ -69,6 +70,10 @@ def get_batch_on_this_cp_rank(
     if algo == "native":
         fn = _megatron_original("megatron.core.utils", "get_batch_on_this_cp_rank")
         return fn(batch, cp_group=cp_group)
+    if isinstance(batch.get("cu_seqlens"), torch.Tensor):  # megatron-core >= 0.18: a packed row
+        out, _ = get_thd_batch_on_this_cp_rank(batch, batch["cu_seqlens"], batch.get("cu_seqlens_padded"),
+                                               batch.get("max_seqlen"), algo=algo, cp_group=cp_group)
+        return out
     layout = layout_of(algo)
     size, rank = cp_size_and_rank(cp_group)
     mask = batch.get("attention_mask")
@@ -80,7 +85,7 @@ def get_batch_on_this_cp_rank(
         return out
     dims = {}
     for key, val in batch.items():
-        if not isinstance(val, torch.Tensor):
+        if not isinstance(val, torch.Tensor) or key in _THD_SKIP[1:]:
             continue
         dim = 2 if key == "attention_mask" else 1
         if val.dim() <= dim:
@@ -140,6 +145,9 @@ def get_thd_batch_on_this_cp_rank(
     pad = cu_seqlens_padded.reshape(-1) if isinstance(cu_seqlens_padded, torch.Tensor) else cu_seqlens_padded
     if isinstance(max_seqlen, torch.Tensor):
         max_seqlen = int(max_seqlen.reshape(-1)[0].item())
+    elif max_seqlen is None and isinstance(pad if pad is not None else cu, torch.Tensor):
+        edges = pad if pad is not None else cu
+        max_seqlen = int((edges[1:] - edges[:-1]).max())
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=pad,
         cu_seqlens_kv_padded=pad, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,

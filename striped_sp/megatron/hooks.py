@@ -30,6 +30,7 @@ from typing import Callable
 from . import data, rope
 from .arguments import check_algo, validate_args as _validate_striped_args
 from .spec import patch_layer_spec
+from .version import check_supported
 
 __all__ = ["install", "uninstall", "installed_algo"]
 
@@ -63,9 +64,15 @@ def _rope_slice(pos_emb, seq_dim, cp_group):
     return rope.get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group, algo=_STATE["algo"])
 
 
-def _batch_slice(batch, cp_group=None):
+def _batch_slice(batch, cp_group=None, *args, **kwargs):
+    """megatron-core's ``get_batch_on_this_cp_rank``: ``(batch, cp_group)`` up to 0.17; from 0.18
+    also ``is_hybrid_cp``, ``hybrid_cp_group_func`` and (0.19) ``use_per_sequence_balancing``, and
+    the batch may hold a packed row (``cu_seqlens``)."""
     if _STATE["algo"] is None:
-        return _batch_slice.__striped_sp_original__(batch, cp_group)
+        return _batch_slice.__striped_sp_original__(batch, cp_group, *args, **kwargs)
+    if kwargs.get("is_hybrid_cp") or (args and args[0] is True):
+        _refuse("hybrid context parallelism")()
+    # use_per_sequence_balancing picks zigzag's per-document split; the algo's layout decides here.
     return data.get_batch_on_this_cp_rank(batch, algo=_STATE["algo"], cp_group=cp_group)
 
 
@@ -271,12 +278,14 @@ def install(algo: str = "striped", backend: str = "auto") -> None:
     """Patch Megatron so that its RoPE, data path, specs and MTP follow ``algo``'s layout.
 
     ``algo`` is ``striped``, ``zigzag`` or ``ring``; ``native`` uninstalls.  Idempotent;
-    calling it again with another algo switches the algo everywhere.
+    calling it again with another algo switches the algo everywhere.  A megatron-core release
+    outside the tested range (:mod:`.version`) raises ``ValueError`` naming it and the override.
     """
     check_algo(algo)
     if algo == "native":
         uninstall()
         return
+    check_supported()
     _STATE["backend"] = backend
     if _STATE["algo"] is None:
         _STATE["algo"] = algo

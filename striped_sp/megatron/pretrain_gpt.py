@@ -1,6 +1,6 @@
 """Run Megatron-LM's unmodified pretrain_gpt.py with ``--context-parallel-algo`` (no patch needed).
 
-    export MEGATRON_LM_DIR=/path/to/Megatron-LM        # a checkout at tag core_v0.16.1
+    export MEGATRON_LM_DIR=/path/to/Megatron-LM        # a checkout at core_v0.16.1 .. core_v0.19.x
     torchrun --nproc-per-node 8 -m striped_sp.megatron.pretrain_gpt \\
         <pretrain_gpt.py arguments> --context-parallel-size 8 --context-parallel-algo striped
 
@@ -22,7 +22,7 @@ from typing import Optional
 from .arguments import DEFAULT_ALGO, add_arguments, chain_providers, validate_args
 from .hooks import install
 
-__all__ = ["find_megatron_lm", "hook_initialize", "main"]
+__all__ = ["find_megatron_lm", "hook_initialize", "hook_megatron_arguments", "main"]
 
 
 def find_megatron_lm(path: Optional[str] = None) -> str:
@@ -32,17 +32,19 @@ def find_megatron_lm(path: Optional[str] = None) -> str:
             return os.path.abspath(candidate)
     raise ValueError(
         "cannot find Megatron-LM's pretrain_gpt.py: set MEGATRON_LM_DIR to a Megatron-LM checkout "
-        "(tag core_v0.16.1), pass --megatron-lm-dir DIR first, or run from that directory"
+        "(tags core_v0.16.1 to core_v0.19.x), pass --megatron-lm-dir DIR first, or run from that directory"
     )
 
 
 def hook_initialize(module) -> None:
-    """Wrap ``module.parse_args`` and ``module.validate_args`` (megatron.training.initialize's
-    by-name copies) so that our flag is parsed, checked and installed."""
-    parse = module.parse_args
-    validate = module.validate_args
-    if getattr(parse, "__striped_sp_original__", None) is not None:
-        return  # already hooked
+    """Wrap ``module.parse_args`` and ``module.validate_args`` so that our flag is parsed,
+    checked and installed.  ``module`` is ``megatron.training.arguments`` (whose
+    ``parse_and_validate_args`` calls them, megatron-core >= 0.18) or
+    ``megatron.training.initialize`` (which imported them by name, up to 0.17)."""
+    parse = getattr(module, "parse_args", None)
+    validate = getattr(module, "validate_args", None)
+    if parse is None or validate is None or getattr(parse, "__striped_sp_original__", None) is not None:
+        return  # not there, or already hooked
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         args = parse(chain_providers(extra_args_provider, add_arguments), ignore_unknown_args)
@@ -66,6 +68,17 @@ def hook_initialize(module) -> None:
     module.validate_args = validate_args
 
 
+def hook_megatron_arguments() -> None:
+    """Hook Megatron-LM's argument parsing wherever this release keeps it."""
+    import importlib
+
+    for name in ("megatron.training.arguments", "megatron.training.initialize"):
+        try:
+            hook_initialize(importlib.import_module(name))
+        except ImportError:
+            continue
+
+
 def _check_and_install(args) -> None:
     validate_args(args)
     algo = getattr(args, "context_parallel_algo", DEFAULT_ALGO)
@@ -86,9 +99,7 @@ def main(argv: Optional[list] = None) -> None:
         raise SystemExit(str(exc)) from None
     if root not in sys.path:
         sys.path.insert(0, root)
-    import megatron.training.initialize as initialize
-
-    hook_initialize(initialize)
+    hook_megatron_arguments()
     script = os.path.join(root, "pretrain_gpt.py")
     sys.argv = [script] + argv
     runpy.run_path(script, run_name="__main__")
