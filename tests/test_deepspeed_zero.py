@@ -96,12 +96,12 @@ def _full_params(engine):
     return out
 
 
-def _engine(sp, config, seed=3):
+def _engine(sp, config, seed=3, momentum=0.0):
     from striped_sp.deepspeed import initialize
 
     model = _tiny_llama(seed)
-    engine, _, _, _ = initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=2.0),
-                                 config=_ds_config(sp, *config))
+    opt = torch.optim.SGD(model.parameters(), lr=2.0, momentum=momentum)
+    engine, _, _, _ = initialize(model=model, optimizer=opt, config=_ds_config(sp, *config))
     return engine
 
 
@@ -150,9 +150,46 @@ def _case_sp2(name):
         assert rel_err(delta[n], ref_delta[n]) < (5e-2 if bf16 else 1e-3), (n, rel_err(delta[n], ref_delta[n]))
 
 
+# ---------------------------------------------------------------------------- checkpoints
+
+CKPT = (3, False, 2, 0.05)  # ZeRO-3, fp32, 2 micro-batches per step, clipping; SGD with momentum
+
+
+def _ckpt_dir(sp):
+    return os.path.join(_STATE["tmp"], f"sp{sp}")
+
+
+def _case_ckpt_write(sp):
+    """Train 1 step, save, train 2 more: the uninterrupted losses of steps 2-3 go to a file."""
+    engine = _engine(sp, CKPT, momentum=0.9)
+    _train(engine, 0, 1)
+    engine.save_checkpoint(_ckpt_dir(sp), tag="step1", client_state={"step": 1})
+    losses, norms = _train(engine, 1, 2)
+    if dist.get_rank() == 0:
+        torch.save((losses, norms), os.path.join(_STATE["tmp"], f"after_sp{sp}.pt"))
+    dist.barrier()
+
+
+def _case_ckpt_resume(sp, written_at):
+    """A fresh engine (other initial weights) resumes the checkpoint written at SP=written_at."""
+    ref_losses, ref_norms = torch.load(os.path.join(_STATE["tmp"], f"after_sp{written_at}.pt"))
+    engine = _engine(sp, CKPT, seed=99, momentum=0.9)
+    path, client = engine.load_checkpoint(_ckpt_dir(written_at), tag="step1")
+    assert path is not None and client["step"] == 1, (path, client)
+    losses, norms = _train(engine, 1, 2)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 1e-4, (losses, ref_losses)
+    assert max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)) < 1e-4, (norms, ref_norms)
+
+
 CASES = [("setup", _setup, ())]
 CASES += [(f"sp1_{name}", _case_sp1, (name,)) for name in CONFIGS]
+CASES += [("ckpt_write_sp1", _case_ckpt_write, (1,))]  # SP=1 engines first: DeepSpeed keeps the last mpu
 CASES += [(f"sp2_{name}", _case_sp2, (name,)) for name in CONFIGS]
+CASES += [("ckpt_write_sp2", _case_ckpt_write, (2,))]
+# a fresh set of processes resumes the checkpoints (SP=1 engines first again)
+RESUME = [("setup", _setup, ()), ("ckpt_resume_sp1_from_sp2", _case_ckpt_resume, (1, 2)),
+          ("ckpt_resume_sp2_from_sp2", _case_ckpt_resume, (2, 2)),
+          ("ckpt_resume_sp2_from_sp1", _case_ckpt_resume, (2, 1))]
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +198,20 @@ def results(tmp_path_factory):
     return run_cases(WORLD, CASES, timeout_s=500)
 
 
+@pytest.fixture(scope="module")
+def resumed(results):
+    return run_cases(WORLD, RESUME, timeout_s=300)
+
+
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_deepspeed_zero_case(results, name):
     if name != "setup" and results["setup"] is not None:
         pytest.fail(f"setup failed:\n{results['setup']}")
     assert results[name] is None, results[name]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in RESUME])
+def test_deepspeed_checkpoint_resume(results, resumed, name):
+    if results["ckpt_write_sp1"] is not None or results["ckpt_write_sp2"] is not None:
+        pytest.fail("writing the checkpoints failed")
+    assert resumed[name] is None, resumed[name]
