@@ -1,0 +1,163 @@
+"""Hugging Face Accelerate with DeepSpeed: striped context parallelism from the JSON, one call.
+
+```python
+from accelerate import Accelerator
+import striped_sp.deepspeed as ssd
+
+accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config="ds_config.json"))
+ssd.enable_accelerate(accelerator)          # the one line; reads the JSON's context_parallel section
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+for batch in loader:                        # this rank's tokens, labels shifted on the full row
+    loss = model(**batch).loss              # the exact global mean, on every rank
+    accelerator.backward(loss)
+    optimizer.step(); optimizer.zero_grad()
+```
+
+What :func:`enable_accelerate` changes on that one ``Accelerator`` (nothing process-wide):
+
+* ``prepare`` of a ``DataLoader``: instead of accelerate's split of the samples over all processes,
+  a sampler over the data-parallel replicas only (every rank of a sequence-parallel group gets the
+  same samples, in the same order), and every batch through :func:`.shard_batch` after the
+  collator (:class:`.ShardedDataLoader`);
+* ``prepare`` of the model: the engine comes from :func:`striped_sp.deepspeed.initialize` (the same
+  arguments as ``deepspeed.initialize``) with the config accelerate filled in: SP groups as
+  ``mpu``, the model's attention, the global-loss hooks and the ZeRO-3 gradient fix.  accelerate
+  fills ``train_batch_size`` as if every process were a data-parallel replica; that key is dropped
+  and DeepSpeed derives it from the micro-batch size and gradient accumulation.
+
+This follows what accelerate does for DeepSpeed's own ALST/Ulysses (``ParallelismConfig(sp_backend=
+"deepspeed")`` registers ``UlyssesSPAttentionHF`` and wraps loaders in ``UlyssesSPDataLoaderAdapter``
+inside ``prepare``), with one difference: ALST gives every rank other samples and gathers them
+inside the group; here the ranks of a group load the same samples (as Megatron and
+:func:`.initialize` do).  Do not combine it with a ``parallelism_config`` that has ``sp_size > 1``.
+Tested with accelerate 1.15.0 and transformers 5.24.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+import torch
+
+from .config import ContextParallelSettings, parse_config
+from .data import ShardedDataLoader
+from .groups import sequence_parallel_groups
+
+__all__ = ["enable_accelerate", "EpochShardedDataLoader", "deepspeed_config_of"]
+
+
+class EpochShardedDataLoader(ShardedDataLoader):
+    """:class:`.ShardedDataLoader` with ``set_epoch`` (reshuffles the data-parallel sampler), as
+    accelerate's and the Trainer's loops call it."""
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+
+def deepspeed_config_of(accelerator) -> dict:
+    """The DeepSpeed config dict of ``accelerator`` (``ValueError`` if it has no DeepSpeed plugin)."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    if plugin is None:
+        raise ValueError("enable_accelerate needs an Accelerator with a DeepSpeed plugin "
+                         "(Accelerator(deepspeed_plugin=...) or accelerate launch --use_deepspeed / "
+                         "TrainingArguments(deepspeed='ds_config.json'))")
+    return plugin.deepspeed_config
+
+
+def _check_parallelism_config(accelerator, settings: ContextParallelSettings) -> None:
+    pc = getattr(accelerator, "parallelism_config", None)
+    for key in ("sp_size", "cp_size", "tp_size"):
+        if pc is not None and (getattr(pc, key, 1) or 1) > 1 and settings.enabled:
+            raise ValueError(
+                f"parallelism_config.{key}={getattr(pc, key)} and the DeepSpeed config's "
+                f"sequence_parallel_size={settings.sequence_parallel_size}: striped context parallelism "
+                f"comes from the JSON; leave parallelism_config.{key} at 1")
+
+
+def _loader_like(data_loader, settings: ContextParallelSettings, groups, shuffle: bool, seed: int):
+    """``data_loader`` again, with a data-parallel-only sampler, under :class:`EpochShardedDataLoader`."""
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+    dataset = data_loader.dataset
+    if getattr(data_loader, "batch_size", None) is None:
+        raise ValueError("a DataLoader with a batch_sampler cannot be sharded for context parallelism: give it "
+                         "batch_size (its micro-batch size) and a plain sampler")
+    sampler = None
+    if not isinstance(dataset, IterableDataset):
+        shuffle = shuffle and isinstance(data_loader.sampler, RandomSampler)
+        sampler = DistributedSampler(dataset, num_replicas=groups.dp_size, rank=groups.dp_rank,
+                                     shuffle=shuffle, seed=seed)
+    loader = DataLoader(dataset, batch_size=data_loader.batch_size, sampler=sampler,
+                        collate_fn=data_loader.collate_fn, drop_last=data_loader.drop_last,
+                        num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
+    return EpochShardedDataLoader(loader, groups.group, settings.layout)
+
+
+@contextlib.contextmanager
+def _deepspeed_initialize_is_ours():
+    """Inside: ``deepspeed.initialize`` is :func:`striped_sp.deepspeed.initialize` (accelerate looks
+    it up at call time), dropping accelerate's ``train_batch_size`` under SP."""
+    import deepspeed
+
+    from .initialize import initialize
+
+    def ours(*args, **kwargs):
+        cfg = kwargs.get("config_params", kwargs.get("config"))
+        if isinstance(cfg, dict) and parse_config(cfg).enabled:
+            cfg = {k: v for k, v in cfg.items() if k != "train_batch_size"}
+            kwargs["config_params" if "config_params" in kwargs else "config"] = cfg
+        deepspeed.initialize = original  # ours calls DeepSpeed's
+        return initialize(*args, **kwargs)
+
+    original = deepspeed.initialize
+    deepspeed.initialize = ours
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
+def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> ContextParallelSettings:
+    """Make ``accelerator.prepare`` set up striped context parallelism from its DeepSpeed config
+    (or ``config``, a dict or JSON path).  Call it before ``prepare``; every rank must.
+
+    ``seed``: the data-parallel sampler's shuffle seed.  Returns the parsed settings.  Raises
+    ``ValueError`` (before any collective) for a bad ``context_parallel`` section, an SP size not
+    dividing the world, or a ``parallelism_config`` that also splits the sequence or the heads.
+    """
+    import torch.distributed as dist
+
+    cfg = deepspeed_config_of(accelerator) if config is None else config
+    settings = parse_config(cfg, world_size=accelerator.num_processes)
+    _check_parallelism_config(accelerator, settings)
+    if getattr(accelerator, "_striped_sp", None) is not None:
+        return accelerator._striped_sp
+    accelerator._striped_sp = settings
+    if not settings.enabled:
+        return settings
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized: create the Accelerator with the DeepSpeed plugin "
+                         "under a distributed launcher first")
+    groups = sequence_parallel_groups(settings.sequence_parallel_size)
+    prepare_loader = accelerator.prepare_data_loader
+    prepare_deepspeed = accelerator._prepare_deepspeed
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if not isinstance(data_loader, torch.utils.data.DataLoader):
+            return prepare_loader(data_loader, device_placement=device_placement,
+                                  slice_fn_for_dispatch=slice_fn_for_dispatch)
+        loader = _loader_like(data_loader, settings, groups, shuffle=True, seed=seed)
+        self._dataloaders.append(loader)
+        return loader
+
+    def _prepare_deepspeed(self, *args):
+        with _deepspeed_initialize_is_ours():
+            return prepare_deepspeed(*args)
+
+    accelerator.prepare_data_loader = types.MethodType(prepare_data_loader, accelerator)
+    accelerator._prepare_deepspeed = types.MethodType(_prepare_deepspeed, accelerator)
+    return settings

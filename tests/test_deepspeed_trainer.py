@@ -1,0 +1,181 @@
+"""The Hugging Face ``Trainer`` (and so Accelerate) with ``--deepspeed ds_config.json`` holding
+``sequence_parallel_size: 2`` and ``context_parallel``, on 2 gloo ranks.
+
+The reference is a *plain* transformers model (eager attention, no plugin) trained on one process
+over the same samples in the same order, with the Trainer's loss convention (the token mean of
+every optimizer step), SGD and the same clipping.  ``ContextParallelTrainer`` at SP=2 must reach
+the same parameters (in memory and after ``save_model`` + ``from_pretrained``) and the same
+evaluation loss.  Settings that conflict with SP raise ``ValueError`` before any collective.
+"""
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helper import run_cases
+from reference import rel_err
+from test_deepspeed_packed import _setup as ds_setup
+
+pytest.importorskip("accelerate", reason="the Trainer path needs accelerate: pip install 'striped_sp[hf]'")
+
+WORLD = 2
+SEQ = 22
+VOCAB = 61
+BATCH, GA, SAMPLES, LR, CLIP = 2, 2, 8, 0.5, 0.3
+_STATE = {}
+
+
+def _setup():
+    ds_setup()
+    _STATE["tmp"] = os.environ["STRIPED_SP_TEST_TMP"]
+
+
+def _tiny_llama(seed=4, attn="eager"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    model.set_attn_implementation(attn)
+    return model
+
+
+class _Data(torch.utils.data.Dataset):
+    """Rows of SEQ tokens; targets from the first token on, some ignored mid-row (uneven counts)."""
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.labels = self.ids.clone()
+        for i in range(n):
+            self.labels[i, 3: 3 + 2 * i] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _ds_json(stage, sp):
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "train_batch_size": "auto", "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+           "sequence_parallel_size": sp, "context_parallel": {"algo": "striped"}, "steps_per_print": 10**6}
+    return cfg
+
+
+def _args(out, stage, sp=2, **over):
+    from transformers import TrainingArguments
+
+    kw = dict(output_dir=out, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
+              gradient_accumulation_steps=GA, learning_rate=LR, lr_scheduler_type="constant", optim="sgd",
+              max_grad_norm=CLIP, num_train_epochs=1, train_sampling_strategy="sequential", report_to=[],
+              logging_steps=1, save_strategy="no", deepspeed=_ds_json(stage, sp), use_cpu=True,
+              dataloader_pin_memory=False, seed=0)
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+def _reference(train, dev):
+    """One process, plain eager model: per step the token mean over its GA * BATCH samples."""
+    model = _tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    per_step = BATCH * GA
+    for start in range(0, len(train), per_step):
+        rows = [train[i] for i in range(start, start + per_step)]
+        count = sum(int((r["labels"][1:] != -100).sum()) for r in rows)
+        opt.zero_grad()
+        for m in range(0, per_step, BATCH):
+            micro = {k: torch.stack([r[k] for r in rows[m:m + BATCH]]) for k in rows[0]}
+            out = model(input_ids=micro["input_ids"], labels=micro["labels"], num_items_in_batch=count)
+            out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    with torch.no_grad():  # the Trainer's eval_loss: the mean of the per-batch mean losses
+        losses = [model(**{k: torch.stack([dev[j][k] for j in range(i, i + BATCH)]) for k in ("input_ids", "labels")}).loss
+                  for i in range(0, len(dev), BATCH)]
+    return model, float(torch.stack(losses).mean())
+
+
+def _case_trainer(stage):
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from striped_sp.deepspeed import ContextParallelTrainer
+
+    train, dev = _Data(SAMPLES, seed=1), _Data(4, seed=2)
+    ref, ref_eval = _reference(train, dev)
+    out = os.path.join(_STATE["tmp"], f"trainer_z{stage}")
+    trainer = ContextParallelTrainer(model=_tiny_llama(attn="sdpa"), args=_args(out, stage),
+                                     train_dataset=train, eval_dataset=dev)
+    trainer.train()
+    assert trainer.state.global_step == SAMPLES // (BATCH * GA)
+    metrics = trainer.evaluate()
+    assert abs(metrics["eval_loss"] - ref_eval) / ref_eval < 1e-4, (metrics["eval_loss"], ref_eval)
+    trainer.save_model(out)
+    dist.barrier()
+    unset_hf_deepspeed_config()  # load as plain transformers (no zero.Init with this run's config)
+    saved = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    expected = dict(ref.named_parameters())
+    for name, p in saved.named_parameters():
+        assert rel_err(p.detach(), expected[name].detach()) < 1e-4, (name, rel_err(p, expected[name]))
+
+
+def _case_trainer_errors():
+    from striped_sp.deepspeed import ContextParallelTrainer
+
+    out = os.path.join(_STATE["tmp"], "bad")
+    train = _Data(4, seed=1)
+    bad = [
+        (dict(average_tokens_across_devices=False), "average_tokens_across_devices=False"),
+        (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
+        (dict(deepspeed=dict(_ds_json(2, 2), context_parallel={"algo": "striped", "heads": 2})),
+         "context_parallel.heads: unknown key"),
+        (dict(deepspeed=dict(_ds_json(2, 2), sequence_parallel_size=3)),
+         r"sequence_parallel_size=3 must divide the world size \(2\)"),
+    ]
+    for over, match in bad:
+        with pytest.raises(ValueError, match=match):
+            ContextParallelTrainer(model=_tiny_llama(), args=_args(out, 2, **over), train_dataset=train)
+    dist.barrier()  # nobody hangs
+
+
+CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),
+         ("trainer_zero2", _case_trainer, (2,))]
+CASES3 = [("setup", _setup, ()), ("trainer_zero3", _case_trainer, (3,))]
+
+
+@pytest.fixture(scope="module")
+def tmp_env(tmp_path_factory):
+    os.environ["STRIPED_SP_TEST_TMP"] = str(tmp_path_factory.mktemp("trainer"))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_env):
+    return run_cases(WORLD, CASES, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def results3(tmp_env):  # a fresh process: one DeepSpeed Trainer per ZeRO stage and process
+    return run_cases(WORLD, CASES3, timeout_s=400)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_trainer_case(results, name):
+    if name != "setup" and results["setup"] is not None:
+        pytest.fail(f"setup failed:\n{results['setup']}")
+    assert results[name] is None, results[name]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES3])
+def test_trainer_zero3_case(results3, name):
+    if name != "setup" and results3["setup"] is not None:
+        pytest.fail(f"setup failed:\n{results3['setup']}")
+    assert results3[name] is None, results3[name]
