@@ -71,7 +71,7 @@ def _full_batch(b=3, seq=40, vocab=50, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (b, seq), generator=g)
     labels = ids.clone()
-    labels[:, :3] = -100  # e.g. a prompt that does not count
+    labels[1, :3] = -100  # e.g. a prompt that does not count; rows 0 and 2 count from the first token
     labels[0, seq // 2 - 1] = -100
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), "sample_id": "x"}
 

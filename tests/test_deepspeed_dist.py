@@ -136,23 +136,35 @@ def _case_distributed_attention_uneven_heads():
     full = _full(_gather(out.detach()), 0, "striped")
     ref = reference_attention(*(t.transpose(0, 1) for t in (q, k, v)), causal=True, scale=8**-0.5).transpose(0, 1)
     assert rel_err(full, ref) < 1e-5
-    out.sum().backward()
-    assert all(x.grad is not None and x.grad.shape == x.shape for x in xs)
+    dout = _randn(SEQ, 2, 3, 8, seed=14)
+    out.backward(shard(dout, WORLD, rank, dim=0))
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*(t.transpose(0, 1) for t in refs), causal=True, scale=8**-0.5).transpose(0, 1)
+    ref.backward(dout.double())
+    for name, x, r in zip(("dq", "dk", "dv"), xs, refs):
+        err = rel_err(_full(_gather(x.grad), 0, "striped"), r.grad)
+        assert err < 1e-5, f"{name}: {err:.2e}"
 
 
 # ------------------------------------------------------------------- transformers model
 
 
-def _tiny_llama(seed=0, heads=4, kv_heads=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_llama(seed=0, heads=4, kv_heads=2, kind="llama"):
+    """A tiny Llama; ``kind="granite"``: Granite, whose attention scale (``attention_multiplier``)
+    is not ``head_dim ** -0.5``."""
+    import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=61, hidden_size=8 * heads, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4 * SEQ,
         attention_dropout=0.0, tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg)
+    if kind == "granite":
+        model = tf.GraniteForCausalLM(tf.GraniteConfig(**common, attention_multiplier=0.9))
+        assert model.model.layers[0].self_attn.scaling == 0.9
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     model.set_attn_implementation("sdpa")
     return model
 
@@ -161,7 +173,7 @@ def _batch(b=2, seed=5):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 61, (b, SEQ), generator=g)
     labels = ids.clone()
-    labels[:, :2] = -100
+    labels[0, :2] = -100  # row 1 counts from its first token: a wrap-around shift would show
     labels[1, SEQ // 2] = -100  # an ignored target at the shard edge of contiguous / zigzag
     return {"input_ids": ids, "labels": labels}
 
@@ -170,15 +182,15 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _case_hf_model(layout, heads=4, kv_heads=2):
+def _case_hf_model(layout, heads=4, kv_heads=2, kind="llama"):
     from striped_sp.deepspeed import enable_hf_attention, shard_batch
 
     group, rank = _STATE["group"], dist.get_rank()
     full = _batch()
-    ref = _tiny_llama(heads=heads, kv_heads=kv_heads)
+    ref = _tiny_llama(heads=heads, kv_heads=kv_heads, kind=kind)
     ref_loss = ref(**full).loss
     ref_loss.backward()
-    model = enable_hf_attention(_tiny_llama(heads=heads, kv_heads=kv_heads), group, layout)
+    model = enable_hf_attention(_tiny_llama(heads=heads, kv_heads=kv_heads, kind=kind), group, layout)
     out = model(**shard_batch(full, WORLD, rank, layout))
     out.loss.backward()
     loss = out.loss.detach().clone()
@@ -396,6 +408,7 @@ for _bdi, _h, _kv, _rot in [(1, 4, 4, False), (1, 4, 2, True), (0, 4, 2, False),
 CASES += [("attention_uneven_heads", _case_distributed_attention_uneven_heads, ())]
 CASES += [(f"hf_{lay}", _case_hf_model, (lay,)) for lay in ("striped", "zigzag", "contiguous")]
 CASES += [("hf_striped_mqa_3_heads", _case_hf_model, ("striped", 3, 1))]
+CASES += [("hf_granite_scale", _case_hf_model, ("zigzag", 4, 2, "granite"))]
 CASES += [("hf_positions", _case_hf_unsharded_positions_rejected, ())]
 CASES += [("hf_softcap", _case_hf_softcap_rejected, ())]
 CASES += [("hf_padding_mask", _case_hf_padding_mask_rejected, ())]
