@@ -138,6 +138,7 @@ def _case_trainer_errors():
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
         (dict(deepspeed=dict(_ds_json(2, 2), context_parallel={"algo": "striped", "heads": 2})),
          "context_parallel.heads: unknown key"),
+        (dict(deepspeed=dict(_ds_json(2, 2), gradient_predivide_factor=2.0)), "gradient_predivide_factor=2.0"),
         (dict(deepspeed=dict(_ds_json(2, 2), sequence_parallel_size=3)),
          r"sequence_parallel_size=3 must divide the world size \(2\)"),
     ]

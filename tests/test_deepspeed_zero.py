@@ -150,6 +150,22 @@ def _case_sp2(name):
         assert rel_err(delta[n], ref_delta[n]) < (5e-2 if bf16 else 1e-3), (n, rel_err(delta[n], ref_delta[n]))
 
 
+def _case_errors():
+    """DeepSpeed settings that conflict with SP: a ValueError naming them, before any collective."""
+    from striped_sp.deepspeed import initialize
+
+    bad = [({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor=2.0"),
+           ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2"),
+           ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "zero_optimization.mics_shard_size=2"),
+           ({"context_parallel": {"algo": "striped", "chunk": 4}}, "context_parallel.chunk: unknown key")]
+    for over, match in bad:
+        model = _tiny_llama()
+        with pytest.raises(ValueError, match=match):
+            initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       config={**_ds_config(2, 2, False, 1, 0.0), **over})
+    dist.barrier()  # nobody hangs
+
+
 # ---------------------------------------------------------------------------- checkpoints
 
 CKPT = (3, False, 2, 0.05)  # ZeRO-3, fp32, 2 micro-batches per step, clipping; SGD with momentum
@@ -181,7 +197,7 @@ def _case_ckpt_resume(sp, written_at):
     assert max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)) < 1e-4, (norms, ref_norms)
 
 
-CASES = [("setup", _setup, ())]
+CASES = [("setup", _setup, ()), ("errors", _case_errors, ())]
 CASES += [(f"sp1_{name}", _case_sp1, (name,)) for name in CONFIGS]
 CASES += [("ckpt_write_sp1", _case_ckpt_write, (1,))]  # SP=1 engines first: DeepSpeed keeps the last mpu
 CASES += [(f"sp2_{name}", _case_sp2, (name,)) for name in CONFIGS]

@@ -29,7 +29,7 @@ from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups
 from .data import IGNORE_INDEX, ShardedDataLoader
-from .zero import fix_zero3_sequence_parallel_grads
+from .zero import check_sequence_parallel_settings, fix_zero3_sequence_parallel_grads
 
 __all__ = ["initialize", "adapt_model", "global_loss_hook"]
 
@@ -202,6 +202,8 @@ def initialize(
     settings = parse_config(cfg)
     if settings.enabled and mesh_param is not None:
         raise ValueError("mesh_param and sequence_parallel_size > 1 do not mix: the SP groups come from the config")
+    if settings.enabled:
+        check_sequence_parallel_settings(cfg, model)
     skip_cpu_shm_comm_build()
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),

@@ -26,13 +26,14 @@ Refused with a ``ValueError`` naming the setting (at construction, before any co
 ``deepspeed`` unset while the JSON asks for SP, ``average_tokens_across_devices=False``,
 ``label_smoothing_factor > 0`` (it re-shifts labels on the local tokens), a ``compute_loss_func``,
 ``parallelism_config`` with ``sp_size``/``cp_size``/``tp_size > 1``, and what :func:`.parse_config`
-refuses.
+and :func:`.check_sequence_parallel_settings` refuse.
 """
 
 from __future__ import annotations
 
 from .accelerate import enable_accelerate
 from .config import load_config, parse_config
+from .zero import check_sequence_parallel_settings
 
 __all__ = ["ContextParallelTrainer", "check_training_arguments"]
 
@@ -50,6 +51,7 @@ def check_training_arguments(args, compute_loss_func=None):
     settings = parse_config(cfg, world_size=_world_size(args))
     if not settings.enabled:
         return settings
+    check_sequence_parallel_settings(cfg)
     problems = []
     if not args.average_tokens_across_devices:
         problems.append("average_tokens_across_devices=False: the loss of a rank's tokens must be divided by the "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["fix_zero3_sequence_parallel_grads", "zero3_scatter_needs_fix"]
+__all__ = ["fix_zero3_sequence_parallel_grads", "zero3_scatter_needs_fix", "check_sequence_parallel_settings"]
 
 _METHOD = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"  # name-mangled ``__avg_scatter_grads``
 
@@ -57,3 +57,34 @@ def fix_zero3_sequence_parallel_grads(engine) -> bool:
     setattr(optimizer, _METHOD, avg_scatter_grads)
     optimizer._striped_sp_scatter_fixed = True
     return True
+
+
+def check_sequence_parallel_settings(config: dict, model=None) -> None:
+    """``ValueError`` naming the DeepSpeed setting that conflicts with ``sequence_parallel_size > 1``
+    (``config`` is the engine's config dict; checked before any collective):
+
+    * ``gradient_predivide_factor`` other than 1: ZeRO-1/2 skip their SP correction when it equals
+      the group size, and ZeRO-3's reduce-scatter refuses it;
+    * ``tensor_parallel.autotp_size > 1``: the SP groups assume world = data-parallel x SP ranks;
+    * ``zero_optimization.mics_shard_size > 0`` (MiCS): its partition groups are not the SP x DP group;
+    * a pipeline model (``deepspeed.pipe.PipelineModule``): its engine reduces over the pipeline's
+      data-parallel group, not the sequence-data-parallel one.
+    """
+    problems = []
+    predivide = config.get("gradient_predivide_factor", 1.0)
+    if predivide not in (None, 1, 1.0):
+        problems.append(f"gradient_predivide_factor={predivide!r}: leave it at 1.0 (ZeRO-1/2 then lose the "
+                        "sum over the sequence-parallel group when it equals the group size)")
+    tp = (config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
+    if tp > 1:
+        problems.append(f"tensor_parallel.autotp_size={tp}: tensor parallelism with the sequence-parallel groups "
+                        "is not supported; set it to 1")
+    mics = (config.get("zero_optimization") or {}).get("mics_shard_size", -1)
+    if mics is not None and mics > 0:
+        problems.append(f"zero_optimization.mics_shard_size={mics}: MiCS partition groups are not the "
+                        "sequence-data-parallel group; use ZeRO-3 without MiCS")
+    if model is not None and type(model).__name__ == "PipelineModule":
+        problems.append("a PipelineModule model: pipeline parallelism with sequence_parallel_size > 1 is not supported")
+    if problems:
+        raise ValueError(f"sequence_parallel_size={config.get('sequence_parallel_size')} conflicts with the "
+                         "DeepSpeed config: " + "; ".join(problems))
