@@ -11,6 +11,7 @@ sequence, inside each document of a packed row).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, Optional
 
 import torch
@@ -69,6 +70,8 @@ def get_batch_on_this_cp_rank(
     check_algo(algo)
     if algo == "native":
         fn = _megatron_original("megatron.core.utils", "get_batch_on_this_cp_rank")
+        if "is_hybrid_cp" in inspect.signature(fn).parameters:  # megatron-core >= 0.18
+            return fn(batch, is_hybrid_cp=False, cp_group=cp_group)
         return fn(batch, cp_group=cp_group)
     if isinstance(batch.get("cu_seqlens"), torch.Tensor):  # megatron-core >= 0.18: a packed row
         out, _ = get_thd_batch_on_this_cp_rank(batch, batch["cu_seqlens"], batch.get("cu_seqlens_padded"),

@@ -64,16 +64,18 @@ def _rope_slice(pos_emb, seq_dim, cp_group):
     return rope.get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group, algo=_STATE["algo"])
 
 
-def _batch_slice(batch, cp_group=None, *args, **kwargs):
-    """megatron-core's ``get_batch_on_this_cp_rank``: ``(batch, cp_group)`` up to 0.17; from 0.18
-    also ``is_hybrid_cp``, ``hybrid_cp_group_func`` and (0.19) ``use_per_sequence_balancing``, and
-    the batch may hold a packed row (``cu_seqlens``)."""
+def _batch_slice(batch, *args, **kwargs):
+    """megatron-core's ``get_batch_on_this_cp_rank``: ``(batch, cp_group=None)`` up to 0.17;
+    ``(batch, is_hybrid_cp, cp_group=None, hybrid_cp_group_func=None, ...)`` from 0.18, where the
+    batch may also hold a packed row (``cu_seqlens``)."""
+    original = _batch_slice.__striped_sp_original__
     if _STATE["algo"] is None:
-        return _batch_slice.__striped_sp_original__(batch, cp_group, *args, **kwargs)
-    if kwargs.get("is_hybrid_cp") or (args and args[0] is True):
+        return original(batch, *args, **kwargs)
+    bound = inspect.signature(original).bind(batch, *args, **kwargs).arguments
+    if bound.get("is_hybrid_cp"):
         _refuse("hybrid context parallelism")()
-    # use_per_sequence_balancing picks zigzag's per-document split; the algo's layout decides here.
-    return data.get_batch_on_this_cp_rank(batch, algo=_STATE["algo"], cp_group=cp_group)
+    # use_per_sequence_balancing (0.19) picks zigzag's per-document split; the algo's layout decides.
+    return data.get_batch_on_this_cp_rank(batch, algo=_STATE["algo"], cp_group=bound.get("cp_group"))
 
 
 def _thd_batch_slice(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=None, cp_rank=None):
