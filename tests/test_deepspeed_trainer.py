@@ -83,11 +83,11 @@ def _args(out, stage, sp=2, **over):
     return TrainingArguments(**kw)
 
 
-def _reference(train, dev):
-    """One process, plain eager model: per step the token mean over its GA * BATCH samples."""
+def _reference(train, dev, ga=GA):
+    """One process, plain eager model: per step the token mean over its ``ga * BATCH`` samples."""
     model = _tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    per_step = BATCH * GA
+    per_step = BATCH * ga
     for start in range(0, len(train), per_step):
         rows = [train[i] for i in range(start, start + per_step)]
         count = sum(int((r["labels"][1:] != -100).sum()) for r in rows)
@@ -128,6 +128,42 @@ def _case_trainer(stage):
         assert rel_err(p.detach(), expected[name].detach()) < 1e-4, (name, rel_err(p, expected[name]))
 
 
+def _case_accelerate():
+    """An Accelerate script: the JSON in the DeepSpeed plugin, ``enable_accelerate``, ``prepare``."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from striped_sp.deepspeed import enable_accelerate
+
+    train = _Data(SAMPLES, seed=1)
+    ref, _ = _reference(train, train, ga=1)
+    cfg = dict(_ds_json(2, 2), gradient_accumulation_steps=1, gradient_clipping=CLIP)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as `accelerate launch --use_deepspeed` sets it
+    PartialState(cpu=True)  # CPU only: accelerate picks gloo only for a cpu state (TrainingArguments(use_cpu=True))
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    settings = enable_accelerate(accelerator)
+    assert settings.sequence_parallel_size == 2 and settings.layout == "striped"
+    model = _tiny_llama(attn="sdpa")
+    model, opt, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR),
+                                             torch.utils.data.DataLoader(train, batch_size=BATCH))
+    assert len(loader) == SAMPLES // BATCH  # one data-parallel replica: every sample on both ranks
+    for batch in loader:
+        loss = model(**batch).loss  # the global token mean of the micro-batch
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    expected = dict(ref.named_parameters())
+    for name, p in _params(model).items():
+        assert rel_err(p, expected[name].detach()) < 1e-4, (name, rel_err(p, expected[name]))
+
+
+def _params(engine):
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).detach() for n, p in engine.module.named_parameters()}
+
+
 def _case_trainer_errors():
     from striped_sp.deepspeed import ContextParallelTrainer
 
@@ -151,6 +187,7 @@ def _case_trainer_errors():
 CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),
          ("trainer_zero2", _case_trainer, (2,))]
 CASES3 = [("setup", _setup, ()), ("trainer_zero3", _case_trainer, (3,))]
+CASES_ACC = [("setup", _setup, ()), ("accelerate_zero2", _case_accelerate, ())]
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +203,18 @@ def results(tmp_env):
 @pytest.fixture(scope="module")
 def results3(tmp_env):  # a fresh process: one DeepSpeed Trainer per ZeRO stage and process
     return run_cases(WORLD, CASES3, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def results_acc(tmp_env):  # a fresh process: accelerate keeps one AcceleratorState per process
+    return run_cases(WORLD, CASES_ACC, timeout_s=300)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES_ACC])
+def test_accelerate_case(results_acc, name):
+    if name != "setup" and results_acc["setup"] is not None:
+        pytest.fail(f"setup failed:\n{results_acc['setup']}")
+    assert results_acc[name] is None, results_acc[name]
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
