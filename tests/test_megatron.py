@@ -68,7 +68,7 @@ def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None):
         model.eval()
     b = _batch(seed + 1)
     if mtp:
-        # megatron-core 0.19 rescales each rank's MTP loss by that rank's own (loss tokens / tokens
+        # megatron-core 0.17+ rescales each rank's MTP loss by that rank's own (loss tokens / tokens
         # left after the roll), with native CP as well; a loss mask of ones but for every rank's
         # first position makes that ratio 1 on every rank and at CP=1, so the comparison stays
         # exact on every release.
