@@ -113,7 +113,8 @@ def _case_trainer(stage):
     train, dev = _Data(SAMPLES, seed=1), _Data(4, seed=2)
     ref, ref_eval = _reference(train, dev)
     out = os.path.join(_STATE["tmp"], f"trainer_z{stage}")
-    trainer = ContextParallelTrainer(model=_tiny_llama(attn="sdpa"), args=_args(out, stage),
+    trainer = ContextParallelTrainer(model=_tiny_llama(attn="sdpa"), args=_args(out, stage, save_strategy="steps",
+                                                                                save_steps=1),
                                      train_dataset=train, eval_dataset=dev)
     trainer.train()
     assert trainer.state.global_step == SAMPLES // (BATCH * GA)
@@ -126,6 +127,26 @@ def _case_trainer(stage):
     expected = dict(ref.named_parameters())
     for name, p in saved.named_parameters():
         assert rel_err(p.detach(), expected[name].detach()) < 1e-4, (name, rel_err(p, expected[name]))
+
+
+def _case_trainer_resume(stage):
+    """A new Trainer (other initial weights) resumes the run's checkpoint-1 (skipping its batches in
+    the epoch) and ends where the uninterrupted run and the reference ended."""
+    from accelerate.state import AcceleratorState
+
+    from striped_sp.deepspeed import ContextParallelTrainer
+
+    AcceleratorState._reset_state(True)  # a second Trainer in this process
+    train = _Data(SAMPLES, seed=1)
+    ref, _ = _reference(train, train)
+    out = os.path.join(_STATE["tmp"], f"trainer_z{stage}")
+    trainer = ContextParallelTrainer(model=_tiny_llama(seed=77, attn="sdpa"), args=_args(out, stage),
+                                     train_dataset=train)
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
+    assert trainer.state.global_step == SAMPLES // (BATCH * GA)
+    expected = dict(ref.named_parameters())
+    for name, p in _params(trainer.model_wrapped).items():
+        assert rel_err(p, expected[name].detach()) < 1e-4, (name, rel_err(p, expected[name]))
 
 
 def _case_accelerate():
@@ -185,7 +206,7 @@ def _case_trainer_errors():
 
 
 CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),
-         ("trainer_zero2", _case_trainer, (2,))]
+         ("trainer_zero2", _case_trainer, (2,)), ("trainer_zero2_resume", _case_trainer_resume, (2,))]
 CASES3 = [("setup", _setup, ()), ("trainer_zero3", _case_trainer, (3,))]
 CASES_ACC = [("setup", _setup, ()), ("accelerate_zero2", _case_accelerate, ())]
 

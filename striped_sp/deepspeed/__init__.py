@@ -11,7 +11,7 @@ deepspeed and transformers are imported lazily, inside the functions that need t
 
 from .accelerate import enable_accelerate
 from .config import ALGOS, ContextParallelSettings, load_config, parse_config
-from .data import IGNORE_INDEX, ShardedDataLoader, check_same_batch, shard_batch
+from .data import IGNORE_INDEX, ShardedDataLoader, ShardingCollator, check_same_batch, shard_batch
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups
@@ -28,6 +28,7 @@ __all__ = [
     "ALGOS",
     "shard_batch",
     "ShardedDataLoader",
+    "ShardingCollator",
     "check_same_batch",
     "IGNORE_INDEX",
     "enable_hf_attention",

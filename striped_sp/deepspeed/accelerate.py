@@ -18,7 +18,7 @@ What :func:`enable_accelerate` changes on that one ``Accelerator`` (nothing proc
 * ``prepare`` of a ``DataLoader``: instead of accelerate's split of the samples over all processes,
   a sampler over the data-parallel replicas only (every rank of a sequence-parallel group gets the
   same samples, in the same order), and every batch through :func:`.shard_batch` after the
-  collator (:class:`.ShardedDataLoader`);
+  collator (:class:`.ShardingCollator`);
 * ``prepare`` of the model: the engine comes from :func:`striped_sp.deepspeed.initialize` (the same
   arguments as ``deepspeed.initialize``) with the config accelerate filled in: SP groups as
   ``mpu``, the model's attention, the global-loss hooks and the ZeRO-3 gradient fix.  accelerate
@@ -42,20 +42,19 @@ from typing import Any
 import torch
 
 from .config import ContextParallelSettings, parse_config
-from .data import ShardedDataLoader
+from .data import ShardingCollator
 from .groups import sequence_parallel_groups
 
-__all__ = ["enable_accelerate", "EpochShardedDataLoader", "deepspeed_config_of"]
+__all__ = ["enable_accelerate", "EpochDataLoader", "deepspeed_config_of"]
 
 
-class EpochShardedDataLoader(ShardedDataLoader):
-    """:class:`.ShardedDataLoader` with ``set_epoch`` (reshuffles the data-parallel sampler), as
-    accelerate's and the Trainer's loops call it."""
+class EpochDataLoader(torch.utils.data.DataLoader):
+    """A ``DataLoader`` with ``set_epoch`` (reshuffles its data-parallel sampler), as accelerate's and
+    the Trainer's loops call it."""
 
     def set_epoch(self, epoch: int) -> None:
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
 
 
 def deepspeed_config_of(accelerator) -> dict:
@@ -79,8 +78,9 @@ def _check_parallelism_config(accelerator, settings: ContextParallelSettings) ->
 
 
 def _loader_like(data_loader, settings: ContextParallelSettings, groups, shuffle: bool, seed: int):
-    """``data_loader`` again, with a data-parallel-only sampler, under :class:`EpochShardedDataLoader`."""
-    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+    """``data_loader`` again, with a data-parallel-only sampler and a :class:`.ShardingCollator` (so a
+    loader that accelerate rebuilds from its parts, as ``skip_first_batches`` does, still shards)."""
+    from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
 
     dataset = data_loader.dataset
     if getattr(data_loader, "batch_size", None) is None:
@@ -91,10 +91,10 @@ def _loader_like(data_loader, settings: ContextParallelSettings, groups, shuffle
         shuffle = shuffle and isinstance(data_loader.sampler, RandomSampler)
         sampler = DistributedSampler(dataset, num_replicas=groups.dp_size, rank=groups.dp_rank,
                                      shuffle=shuffle, seed=seed)
-    loader = DataLoader(dataset, batch_size=data_loader.batch_size, sampler=sampler,
-                        collate_fn=data_loader.collate_fn, drop_last=data_loader.drop_last,
-                        num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
-    return EpochShardedDataLoader(loader, groups.group, settings.layout)
+    collate = ShardingCollator(data_loader.collate_fn, groups.size, groups.rank, settings.layout)
+    return EpochDataLoader(dataset, batch_size=data_loader.batch_size, sampler=sampler, collate_fn=collate,
+                           drop_last=data_loader.drop_last, num_workers=data_loader.num_workers,
+                           pin_memory=data_loader.pin_memory)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ import torch
 from ..layouts import get_layout, positions
 from .packed import CU_KEYS, MAX_KEYS, find_documents, pack_rows
 
-__all__ = ["shard_batch", "ShardedDataLoader", "IGNORE_INDEX", "check_same_batch"]
+__all__ = ["shard_batch", "ShardedDataLoader", "ShardingCollator", "IGNORE_INDEX", "check_same_batch"]
 
 IGNORE_INDEX = -100
 
@@ -190,6 +190,31 @@ def check_same_batch(batch: Mapping[str, Any], group) -> None:
             f"the ranks of the sequence-parallel group loaded different micro-batches (ranks {differ} differ "
             "from rank 0 in input_ids, position_ids, attention_mask, cu_seq_lens_q or labels): every rank "
             "of a group must load the same full micro-batch (shard_batch then keeps its own tokens)")
+
+
+class ShardingCollator:
+    """``collate_fn`` then :func:`shard_batch`: a collate function that yields this rank's part.
+
+    For loaders that frameworks rebuild from their parts (accelerate's ``skip_first_batches`` on
+    resume copies ``dataset``, ``sampler`` and ``collate_fn``), where a wrapper around the loader would
+    be lost.  Picklable (``world_size`` and ``rank`` are ints), so it runs in loader worker processes;
+    it sends no message (use :class:`ShardedDataLoader` for the cross-rank batch check).
+    ``collate_fn=None``: torch's default collation."""
+
+    def __init__(self, collate_fn, world_size: int, rank: int, layout: str = "striped",
+                 ignore_index: int = IGNORE_INDEX):
+        get_layout(layout)
+        self.collate_fn = collate_fn
+        self.world_size, self.rank, self.layout, self.ignore_index = world_size, rank, layout, ignore_index
+
+    def __call__(self, samples):
+        if self.collate_fn is None:
+            from torch.utils.data import default_collate
+
+            batch = default_collate(samples)
+        else:
+            batch = self.collate_fn(samples)
+        return shard_batch(batch, self.world_size, self.rank, self.layout, self.ignore_index)
 
 
 class ShardedDataLoader:
