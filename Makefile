@@ -7,7 +7,19 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 EXTRAS ?= test
 
-.PHONY: demo test venv clean
+# `make test-megatron MCORE=0.19.2`: the Megatron tests against another megatron-core release, in
+# its own environment (.venv-mcore-<version>). megatron-core 0.17 and later need Python 3.12
+# (PY312); there torch 2.13.0 comes from the registry as its CUDA build, which runs on CPU (~4.8 GB).
+MCORE ?= 0.19.2
+PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do $$p -c '' >/dev/null 2>&1 && { echo $$p; break; }; done)
+MVENV := .venv-mcore-$(MCORE)
+ifeq ($(findstring 0.16.,$(MCORE)),0.16.)
+MPYTHON := $(PYTHON)
+else
+MPYTHON := $(PY312)
+endif
+
+.PHONY: demo test test-megatron venv clean
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -28,5 +40,17 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q
 
+$(MVENV)/.installed: setup.cfg pyproject.toml
+	@test -n "$(MPYTHON)" || { echo "megatron-core $(MCORE) needs Python 3.12: set PY312=/path/to/python3.12"; exit 1; }
+	test -x $(MVENV)/bin/python || $(MPYTHON) -m venv $(MVENV)
+	$(MVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MVENV)/bin/python -m pip install --quiet $(TORCH)
+	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" $(TORCH)
+	touch $@
+
+test-megatron: $(MVENV)/.installed
+	$(MVENV)/bin/python -m pytest -q tests/test_megatron.py tests/test_megatron_packed.py \
+		tests/test_megatron_unit.py tests/test_megatron_args.py tests/test_megatron_demo.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-mcore-* build *.egg-info
