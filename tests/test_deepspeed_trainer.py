@@ -67,7 +67,8 @@ def _ds_json(stage, sp):
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "gradient_clipping": "auto", "train_batch_size": "auto", "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
-           "sequence_parallel_size": sp, "context_parallel": {"algo": "striped"}, "steps_per_print": 10**6}
+           "sequence_parallel_size": sp, "context_parallel": {"algo": "striped", "backend": "auto"},
+           "steps_per_print": 10**6}
     return cfg
 
 

@@ -153,10 +153,10 @@ def main(args) -> None:
     dist.barrier()
 
 
-def _spawned(local_rank, world_size, port, argv):
+def _spawned(local_rank, main_fn, parse_fn, world_size, port, argv):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    main(parse_args(argv))
+    main_fn(parse_fn(argv))
 
 
 def _free_port() -> int:
@@ -165,16 +165,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-if __name__ == "__main__":
+def launch(main_fn, parse_fn) -> None:
+    """``main_fn(parse_fn())`` under a launcher that sets ``RANK`` etc., else on ``--world-size``
+    spawned CPU (or GPU) ranks."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # run from a clone without installing
-    cli = parse_args()
+    cli = parse_fn()
     if "RANK" in os.environ:  # started by torchrun / the deepspeed launcher
-        main(cli)
+        main_fn(cli)
     else:
         import torch.multiprocessing as mp
 
-        mp.start_processes(_spawned, args=(cli.world_size, _free_port(), sys.argv[1:]),
+        mp.start_processes(_spawned, args=(main_fn, parse_fn, cli.world_size, _free_port(), sys.argv[1:]),
                            nprocs=cli.world_size, start_method="spawn")
+
+
+if __name__ == "__main__":
+    launch(main, parse_args)

@@ -43,6 +43,7 @@ import torch
 
 from .config import ContextParallelSettings, parse_config
 from .data import ShardingCollator
+from .env import skip_cpu_shm_comm_build
 from .groups import sequence_parallel_groups
 
 __all__ = ["enable_accelerate", "EpochDataLoader", "deepspeed_config_of"]
@@ -97,6 +98,16 @@ def _loader_like(data_loader, settings: ContextParallelSettings, groups, shuffle
                            pin_memory=data_loader.pin_memory)
 
 
+def _drop_auto_values(config: dict) -> None:
+    """accelerate takes every ``"auto"`` string in the DeepSpeed config as a value for it to fill in,
+    and refuses ``context_parallel.backend: "auto"``; ours means the default, so drop those keys."""
+    from .config import SECTION
+
+    section = config.get(SECTION)
+    if isinstance(section, dict):
+        config[SECTION] = {k: v for k, v in section.items() if v != "auto"}
+
+
 @contextlib.contextmanager
 def _deepspeed_initialize_is_ours():
     """Inside: ``deepspeed.initialize`` is :func:`striped_sp.deepspeed.initialize` (accelerate looks
@@ -134,6 +145,7 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
     cfg = deepspeed_config_of(accelerator) if config is None else config
     settings = parse_config(cfg, world_size=accelerator.num_processes)
     _check_parallelism_config(accelerator, settings)
+    _drop_auto_values(deepspeed_config_of(accelerator))
     if getattr(accelerator, "_striped_sp", None) is not None:
         return accelerator._striped_sp
     accelerator._striped_sp = settings
@@ -142,6 +154,11 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialized: create the Accelerator with the DeepSpeed plugin "
                          "under a distributed launcher first")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    skip_cpu_shm_comm_build()
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())  # DeepSpeed's comm
     groups = sequence_parallel_groups(settings.sequence_parallel_size)
     prepare_loader = accelerator.prepare_data_loader
     prepare_deepspeed = accelerator._prepare_deepspeed
