@@ -130,6 +130,50 @@ def _case_trainer(stage):
         assert rel_err(p.detach(), expected[name].detach()) < 1e-4, (name, rel_err(p, expected[name]))
 
 
+class _Docs(torch.utils.data.Dataset):
+    """Documents of uneven lengths (some shorter than the SP size), for DataCollatorWithFlattening."""
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(1, 15, (n,), generator=g).tolist()
+        self.docs = [torch.randint(0, VOCAB, (n_,), generator=g).tolist() for n_ in lengths]
+
+    def __len__(self):
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.docs[i], "labels": list(self.docs[i])}
+
+
+def _case_trainer_packed(stage):
+    """Packed rows (DataCollatorWithFlattening) with gradient accumulation: the Trainer's target count
+    of each step over the sharded batches, against a plain eager model on the flattened rows."""
+    from accelerate.state import AcceleratorState
+    from transformers import DataCollatorWithFlattening
+
+    from striped_sp.deepspeed import ContextParallelTrainer
+
+    AcceleratorState._reset_state(True)  # another Trainer in this process
+    train, collator = _Docs(SAMPLES, seed=3), DataCollatorWithFlattening()
+    ref = _tiny_llama()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for start in range(0, SAMPLES, BATCH * GA):
+        micro = [collator([train[i] for i in range(m, m + BATCH)]) for m in range(start, start + BATCH * GA, BATCH)]
+        count = sum(int((b["labels"][..., 1:] != -100).sum()) for b in micro)
+        opt.zero_grad()
+        for b in micro:
+            ref(**b, num_items_in_batch=count).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+    out = os.path.join(_STATE["tmp"], "trainer_packed")
+    trainer = ContextParallelTrainer(model=_tiny_llama(attn="sdpa"), args=_args(out, stage),
+                                     train_dataset=train, data_collator=collator)
+    trainer.train()
+    expected = dict(ref.named_parameters())
+    for name, p in _params(trainer.model_wrapped).items():
+        assert rel_err(p, expected[name].detach()) < 1e-4, (name, rel_err(p, expected[name]))
+
+
 def _case_trainer_resume(stage):
     """A new Trainer (other initial weights) resumes the run's checkpoint-1 (skipping its batches in
     the epoch) and ends where the uninterrupted run and the reference ended."""
@@ -208,7 +252,8 @@ def _case_trainer_errors():
 
 CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),
          ("trainer_zero2", _case_trainer, (2,)), ("trainer_zero2_resume", _case_trainer_resume, (2,))]
-CASES3 = [("setup", _setup, ()), ("trainer_zero3", _case_trainer, (3,))]
+CASES3 = [("setup", _setup, ()), ("trainer_zero3", _case_trainer, (3,)),
+          ("trainer_zero2_packed", _case_trainer_packed, (2,))]
 CASES_ACC = [("setup", _setup, ()), ("accelerate_zero2", _case_accelerate, ())]
 
 
