@@ -251,6 +251,7 @@ def ring_attention(
     backend: str = "auto",
     cu_seqlens: torch.Tensor | None = None,
     window_size: tuple[int, int] | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -271,6 +272,9 @@ def ring_attention(
         window_size: ``(left, right)`` sliding window (flash-attn / Megatron convention): a query at
             global position ``p`` sees keys ``p-left .. p+right``; ``-1`` = no limit; ``right`` must
             be 0 when ``causal``.  Hugging Face's ``sliding_window=W`` is ``(W - 1, 0)``.
+        deterministic: bitwise-reproducible backward (Megatron's ``--deterministic-mode``): the
+            ring's order is fixed; on CUDA the kernel must be flash-attn (its deterministic mode)
+            or ``math``; PyTorch's fused CUDA ops are refused with a ``ValueError``.
 
     Returns:
         ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
@@ -292,7 +296,7 @@ def ring_attention(
     try:
         lay = get_layout(layout)
         _check_inputs(q, k, v, lay)
-        kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1))
+        kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1), deterministic=bool(deterministic))
         scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
         if not scale > 0:
             raise ValueError(f"softmax_scale={softmax_scale} must be positive")

@@ -64,6 +64,10 @@ class FlashAttnKernel(Kernel):
     name = "flash_attn"
     module_name = "flash_attn.flash_attn_interface"
 
+    def __init__(self, deterministic: bool = False):
+        #: flash-attn's deterministic backward (slower: no atomic adds into dq)
+        self.deterministic = deterministic
+
     def _module(self):
         return importlib.import_module(self.module_name)
 
@@ -98,7 +102,7 @@ class FlashAttnKernel(Kernel):
             dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
             dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-            deterministic=False, rng_state=None,
+            deterministic=self.deterministic, rng_state=None,
         )
         return dq, dk, dv
 
@@ -139,7 +143,7 @@ class FlashAttnKernel(Kernel):
                 dout=dog, q=qg, k=kg, v=vg, out=og, softmax_lse=lg, dq=dq, dk=dk, dv=dv,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0,
                 softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl, window_size_right=wr,
-                softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+                softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=None,
             )
             return dq, dk, dv
 

@@ -108,6 +108,7 @@ def _install_fake_flash_attn(monkeypatch, old_api):
         def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                                  window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                                  rng_state=None):
+            seen["deterministic"] = deterministic
             g = math.backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
             for buf, val in zip((dq, dk, dv), g):
                 buf.copy_(val)
@@ -132,6 +133,10 @@ def test_flash_attn_adapter_plumbing(monkeypatch, old_api):
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, SCALE)
     for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
         assert rel_err(got, want) < 1e-5
+    if not old_api:  # --deterministic-mode reaches flash-attn's backward
+        assert seen["deterministic"] is False
+        FlashAttnKernel(deterministic=True).backward(dout, q, k, v, out, lse, True, SCALE)
+        assert seen["deterministic"] is True
 
 
 def _install_custom_op_flash_attn(monkeypatch):
@@ -191,3 +196,16 @@ def test_cuda_head_dim_rules_without_a_gpu():
     assert resolve_kernel("auto", cuda, torch.bfloat16, 12).name == "math"
     with pytest.raises(ValueError, match="head_dim=12 must be a multiple of 8"):
         resolve_kernel("torch", cuda, torch.bfloat16, 12)
+
+
+def test_deterministic_kernel_choice():
+    """--deterministic-mode: CPU kernels are kept; on CUDA the fused torch ops are refused by name,
+    flash-attn runs its deterministic backward (checked on meta-free objects, no GPU needed)."""
+    from striped_sp.kernels import KERNELS, _DETERMINISTIC_FLASH_ATTN, _deterministic_reason, resolve_kernel
+
+    assert resolve_kernel("torch", "cpu", torch.float32, 64, deterministic=True) is KERNELS["torch"]
+    assert resolve_kernel("auto", "cpu", torch.float32, 64, deterministic=True) is KERNELS["torch"]
+    assert "no deterministic backward" in _deterministic_reason("torch", torch.device("cuda"))
+    assert "no deterministic backward" in _deterministic_reason("torch_cudnn", torch.device("cuda"))
+    assert _deterministic_reason("flash_attn", torch.device("cuda")) is None
+    assert _DETERMINISTIC_FLASH_ATTN.deterministic and not KERNELS["flash_attn"].deterministic

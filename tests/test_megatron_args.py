@@ -68,6 +68,10 @@ def test_valid_settings_pass():
     (dict(eod_mask_loss=True), "--calculate-per-token-loss"),
     (dict(mtp_num_layers=1), "--calculate-per-token-loss"),
     (dict(window_size=(64, -1)), "--window-size 64,-1"),
+    (dict(fp8_dot_product_attention=True), "--fp8-dot-product-attention"),
+    (dict(fp8_multi_head_attention=True), "--fp8-multi-head-attention"),
+    (dict(attention_backend="flash"), "flash-attn, which is not installed"),
+    (dict(use_flash_attn=True), "flash-attn, which is not installed"),
     (dict(window_size=(64, 2)), "must be L,0"),
     (dict(context_parallel_algo="zigzag", reset_attention_mask=True), "--context-parallel-algo striped"),
     (dict(sft=True, calculate_per_token_loss=True, pipeline_model_parallel_size=4), "--pipeline-model-parallel-size"),
@@ -99,3 +103,16 @@ def test_supported_megatron_versions(monkeypatch):
     monkeypatch.setenv(version.ALLOW_ENV, "1")
     with pytest.warns(UserWarning, match="outside the range"):
         assert version.check_supported("0.20.0") == "0.20.0"
+
+
+def test_attention_backend_flags_choose_the_kernel():
+    import types as _types
+
+    assert sm.arguments.kernel_backend_of(None) == "auto"
+    assert sm.arguments.kernel_backend_of(_types.SimpleNamespace(name="fused")) == "torch"
+    assert sm.arguments.kernel_backend_of("unfused") == "math"
+    assert sm.arguments.kernel_backend_of("local") == "math"
+    assert sm.arguments.kernel_backend_of("auto", use_flash_attn=True) == "flash_attn"
+    with pytest.raises(ValueError, match="--attention-backend cudnn is unknown"):
+        sm.arguments.kernel_backend_of("cudnn")
+    sm.validate_args(_args(attention_backend="fused", deterministic_mode=True))

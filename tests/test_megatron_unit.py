@@ -122,6 +122,26 @@ def test_core_attention_rejects_unsupported_settings():
         lone(q, kv, kv, None)
 
 
+def test_core_attention_honours_backend_determinism_and_fp8_flags():
+    from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+
+    group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    pgc = types.SimpleNamespace(cp=group, tp=types.SimpleNamespace(size=lambda: 1))
+    kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", pg_collection=pgc)
+    for megatron_backend, ours in ((AttnBackend.unfused, "math"), (AttnBackend.fused, "torch"),
+                                   (AttnBackend.auto, "auto"), (AttnBackend.local, "math")):
+        attn = sm.ContextParallelAttention(_config(attention_backend=megatron_backend), **kw)
+        assert attn.backend == ours and not attn.deterministic
+    # a backend given in the spec wins over --attention-backend
+    assert sm.ContextParallelAttention(_config(attention_backend=AttnBackend.unfused), backend="torch",
+                                       **kw).backend == "torch"
+    assert sm.ContextParallelAttention(_config(deterministic_mode=True), **kw).deterministic
+    cfg = _config()
+    cfg.fp8_dot_product_attention = True  # TransformerConfig itself needs TE for FP8
+    with pytest.raises(ValueError, match="--fp8-dot-product-attention"):
+        sm.ContextParallelAttention(cfg, **kw)
+
+
 # ---------------------------------------------------------------- install / uninstall and RoPE
 
 def _targets():

@@ -78,6 +78,45 @@ def chain_providers(*providers: Optional[Callable]) -> Callable:
     return provider
 
 
+#: Megatron's ``--attention-backend`` -> the striped_sp kernel backend that runs each block
+ATTENTION_BACKENDS = {
+    "auto": "auto",            # flash-attn on CUDA when installed, else PyTorch's fused ops
+    "flash": "flash_attn",     # flash-attn 2 (as Transformer Engine's flash backend)
+    "fused": "torch",          # PyTorch's fused SDPA ops (flash / memory-efficient)
+    "unfused": "math",         # plain softmax(QK^T)V
+    "local": "math",
+}
+
+
+def kernel_backend_of(attention_backend=None, use_flash_attn: bool = False) -> str:
+    """The kernel backend for Megatron's ``--attention-backend`` (an ``AttnBackend`` or its name;
+    ``None``: auto) and the older ``--use-flash-attn``."""
+    name = getattr(attention_backend, "name", attention_backend) or "auto"
+    if use_flash_attn and name == "auto":
+        name = "flash"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {name} is unknown: choose one of {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]
+
+
+def _check_kernel_flags(args, flag: str) -> None:
+    backend = kernel_backend_of(getattr(args, "attention_backend", None), getattr(args, "use_flash_attn", False))
+    if backend == "flash_attn":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError(
+                f"{flag} with --attention-backend flash (or --use-flash-attn) runs flash-attn, which is not "
+                "installed: pip install flash-attn, or use --attention-backend fused / auto"
+            )
+    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if getattr(args, name, False):
+            raise ValueError(
+                f"{flag} does not run FP8 attention: drop --{name.replace('_', '-')} (FP8 GEMMs elsewhere "
+                "are fine) or use --context-parallel-algo native"
+            )
+
+
 def _cp_comm_types(value) -> list[str]:
     if value is None:
         return ["p2p"]
@@ -157,6 +196,7 @@ def validate_args(args) -> None:
                 f"{flag}: --window-size {left},{right} must be L,0 with L >= 0 (or -1 for no limit): "
                 "GPT attention is causal, so a query sees the L tokens before it and itself"
             )
+    _check_kernel_flags(args, flag)
     _check_pipeline_documents(args, flag)
     _check_loss_weighting(args, flag)
     if getattr(args, "use_legacy_models", False):

@@ -25,7 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from ..attention import ring_attention
 from ..layouts import positions
 from . import packed
-from .arguments import layout_of
+from .arguments import kernel_backend_of, layout_of
 
 __all__ = ["ContextParallelAttention"]
 
@@ -44,7 +44,10 @@ class ContextParallelAttention(MegatronModule):
     ``softmax_scale``, ``cp_comm_type``, ``pg_collection``, ``k_channels``, ``v_channels``,
     ``num_splits`` (accepted; unequal channels are refused).
     Args (ours): ``algo``: ``striped``, ``zigzag`` or ``ring``; ``backend``: the striped_sp
-    kernel backend (``auto``, ``torch``, ``flash_attn``, ``math``).
+    kernel backend (``auto``, ``torch``, ``flash_attn``, ``math``); ``auto`` follows
+    ``config.attention_backend`` (``--attention-backend``: flash -> flash_attn, fused -> torch,
+    unfused/local -> math).  ``config.deterministic_mode`` asks for a reproducible backward; FP8
+    attention is refused.
     """
 
     def __init__(
@@ -95,6 +98,13 @@ class ContextParallelAttention(MegatronModule):
                 f"{flag} supports self-attention only (got attention_type={attention_type!r})"
             )
         self.window_size = _layer_window(config, self.layer_number)
+        for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+            if getattr(config, name, False):
+                raise ValueError(f"{flag} does not run FP8 attention: drop --{name.replace('_', '-')}")
+        if backend == "auto":  # the spec left it to Megatron's --attention-backend
+            self.backend = kernel_backend_of(getattr(config, "attention_backend", None))
+        #: --deterministic-mode: a reproducible backward (refused on kernels that have none)
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(
                 f"{flag} supports --softmax-type vanilla only (got {config.softmax_type!r})"
@@ -231,7 +241,7 @@ class ContextParallelAttention(MegatronModule):
             q, k, v, self.cp_group,
             layout=self.layout, causal=causal,
             softmax_scale=self.softmax_scale, backend=self.backend,
-            cu_seqlens=cu_seqlens, window_size=self.window_size,
+            cu_seqlens=cu_seqlens, window_size=self.window_size, deterministic=self.deterministic,
         )
 
 
