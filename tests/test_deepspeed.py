@@ -172,3 +172,79 @@ def test_initialize_rejects_bad_config_before_communication():
     with pytest.raises(ValueError, match="needs a config"):
         initialize(model=model)
     assert not dist.is_initialized()  # nothing started
+
+
+# ------------------------------- Trainer / Accelerate / ZeRO settings: errors before any comm
+
+
+def _sp2_config(**over):
+    return {"zero_optimization": {"stage": 2}, "sequence_parallel_size": 2,
+            "context_parallel": {"algo": "striped", "backend": "auto"}, **over}
+
+
+def test_trainer_arguments_that_conflict_with_sp_are_refused():
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from striped_sp.deepspeed.trainer import check_training_arguments
+
+    def args(**over):
+        kw = dict(deepspeed=_sp2_config(), hf_deepspeed_config=None, world_size=2, average_tokens_across_devices=True,
+                  label_smoothing_factor=0.0, group_by_length=False, parallelism_config=None)
+        return SimpleNamespace(**{**kw, **over})
+
+    assert check_training_arguments(args()).sequence_parallel_size == 2
+    assert not check_training_arguments(args(average_tokens_across_devices=False, deepspeed={})).enabled
+    for over, match in [
+        (dict(average_tokens_across_devices=False), "average_tokens_across_devices=False"),
+        (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
+        (dict(group_by_length=True), "group_by_length=True"),
+        (dict(parallelism_config=SimpleNamespace(sp_size=2, cp_size=1, tp_size=1)), "parallelism_config.sp_size=2"),
+        (dict(deepspeed=None), "TrainingArguments\\(deepspeed=...\\)"),
+        (dict(world_size=3), r"sequence_parallel_size=2 must divide the world size \(3\)"),
+        (dict(deepspeed=_sp2_config(gradient_predivide_factor=4.0)), "gradient_predivide_factor=4.0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_training_arguments(args(**over))
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        check_training_arguments(args(), compute_loss_func=lambda *a, **k: 0)
+    assert not dist.is_initialized()
+
+
+def test_enable_accelerate_refuses_conflicting_settings_before_communication():
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from striped_sp.deepspeed import enable_accelerate
+
+    def accelerator(cfg, **over):
+        kw = dict(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=cfg)), num_processes=2,
+                  split_batches=False, parallelism_config=None)
+        return SimpleNamespace(**{**kw, **over})
+
+    for acc, match in [
+        (accelerator(_sp2_config(), split_batches=True), "split_batches=True"),
+        (accelerator(_sp2_config(), parallelism_config=SimpleNamespace(sp_size=2)), "parallelism_config.sp_size=2"),
+        (accelerator(_sp2_config(context_parallel={"algo": "ulysses"})), "context_parallel.algo='ulysses'"),
+        (accelerator(_sp2_config(), num_processes=3), r"must divide the world size \(3\)"),
+        (SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), "DeepSpeed plugin"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            enable_accelerate(acc)
+    plain = accelerator({"zero_optimization": {"stage": 1}, "context_parallel": {"backend": "auto"}}, num_processes=1)
+    assert not enable_accelerate(plain).enabled  # SP 1: nothing to patch
+    assert plain.state.deepspeed_plugin.deepspeed_config["context_parallel"] == {}  # no "auto" for accelerate
+    assert not dist.is_initialized()
+
+
+def test_zero_settings_that_conflict_with_sp_are_refused():
+    from striped_sp.deepspeed.zero import check_sequence_parallel_settings
+
+    check_sequence_parallel_settings(_sp2_config(gradient_predivide_factor=1.0))
+    for over, match in [({"gradient_predivide_factor": 2}, "gradient_predivide_factor=2"),
+                        ({"tensor_parallel": {"autotp_size": 2}}, "autotp_size=2"),
+                        ({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}, "mics_shard_size=4")]:
+        with pytest.raises(ValueError, match=match):
+            check_sequence_parallel_settings(_sp2_config(**over))

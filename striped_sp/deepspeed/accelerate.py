@@ -18,7 +18,9 @@ What :func:`enable_accelerate` changes on that one ``Accelerator`` (nothing proc
 * ``prepare`` of a ``DataLoader``: instead of accelerate's split of the samples over all processes,
   a sampler over the data-parallel replicas only (every rank of a sequence-parallel group gets the
   same samples, in the same order), and every batch through :func:`.shard_batch` after the
-  collator (:class:`.ShardingCollator`);
+  collator (:class:`.ShardingCollator`).  The loader's sampler must be a random or sequential one
+  (replaced by a ``DistributedSampler`` over the replicas); an ``IterableDataset`` must itself yield
+  this replica's samples, the same on every rank of a group;
 * ``prepare`` of the model: the engine comes from :func:`striped_sp.deepspeed.initialize` (the same
   arguments as ``deepspeed.initialize``) with the config accelerate filled in: SP groups as
   ``mpu``, the model's attention, the global-loss hooks and the ZeRO-3 gradient fix.  accelerate
@@ -68,7 +70,12 @@ def deepspeed_config_of(accelerator) -> dict:
     return plugin.deepspeed_config
 
 
-def _check_parallelism_config(accelerator, settings: ContextParallelSettings) -> None:
+def _check_accelerator(accelerator, settings: ContextParallelSettings) -> None:
+    """``ValueError`` for accelerator settings that conflict with SP (before any collective)."""
+    if settings.enabled and getattr(accelerator, "split_batches", False):
+        raise ValueError(f"Accelerator(split_batches=True) with sequence_parallel_size={settings.sequence_parallel_size}: "
+                         "the loader's batch_size must be the micro-batch of one data-parallel replica; use "
+                         "split_batches=False")
     pc = getattr(accelerator, "parallelism_config", None)
     for key in ("sp_size", "cp_size", "tp_size"):
         if pc is not None and (getattr(pc, key, 1) or 1) > 1 and settings.enabled:
@@ -81,7 +88,7 @@ def _check_parallelism_config(accelerator, settings: ContextParallelSettings) ->
 def _loader_like(data_loader, settings: ContextParallelSettings, groups, shuffle: bool, seed: int):
     """``data_loader`` again, with a data-parallel-only sampler and a :class:`.ShardingCollator` (so a
     loader that accelerate rebuilds from its parts, as ``skip_first_batches`` does, still shards)."""
-    from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
+    from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
     dataset = data_loader.dataset
     if getattr(data_loader, "batch_size", None) is None:
@@ -89,6 +96,10 @@ def _loader_like(data_loader, settings: ContextParallelSettings, groups, shuffle
                          "batch_size (its micro-batch size) and a plain sampler")
     sampler = None
     if not isinstance(dataset, IterableDataset):
+        if not isinstance(data_loader.sampler, (RandomSampler, SequentialSampler)):
+            raise ValueError(f"a DataLoader with a {type(data_loader.sampler).__name__}: under context parallelism "
+                             "the samples are split over data-parallel replicas by a DistributedSampler (random or "
+                             "in order); give the DataLoader shuffle=True or False instead (e.g. group_by_length=False)")
         shuffle = shuffle and isinstance(data_loader.sampler, RandomSampler)
         sampler = DistributedSampler(dataset, num_replicas=groups.dp_size, rank=groups.dp_rank,
                                      shuffle=shuffle, seed=seed)
@@ -138,13 +149,14 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
 
     ``seed``: the data-parallel sampler's shuffle seed.  Returns the parsed settings.  Raises
     ``ValueError`` (before any collective) for a bad ``context_parallel`` section, an SP size not
-    dividing the world, or a ``parallelism_config`` that also splits the sequence or the heads.
+    dividing the world, ``split_batches=True``, or a ``parallelism_config`` that also splits the
+    sequence or the heads.
     """
     import torch.distributed as dist
 
     cfg = deepspeed_config_of(accelerator) if config is None else config
     settings = parse_config(cfg, world_size=accelerator.num_processes)
-    _check_parallelism_config(accelerator, settings)
+    _check_accelerator(accelerator, settings)
     _drop_auto_values(deepspeed_config_of(accelerator))
     if getattr(accelerator, "_striped_sp", None) is not None:
         return accelerator._striped_sp
