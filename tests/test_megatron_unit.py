@@ -142,6 +142,56 @@ def test_core_attention_honours_backend_determinism_and_fp8_flags():
         sm.ContextParallelAttention(cfg, **kw)
 
 
+def test_checkpoints_move_between_native_and_striped():
+    """Where Transformer Engine's core attention was, ours keeps its ``_extra_state`` checkpoint
+    entry (both directions load strictly); where the local spec's was, there is none."""
+    from megatron.core.models.gpt import gpt_layer_specs as gls
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from striped_sp.megatron.attention import ContextParallelAttention, ContextParallelAttentionTEState
+    from striped_sp.megatron.spec import replace_core_attention
+
+    class TEDotProductAttention(torch.nn.Module):  # TE's state-dict contract, on CPU
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+        def get_extra_state(self):
+            return torch.tensor([7], dtype=torch.uint8)  # FP8 metadata of a native run
+
+        def set_extra_state(self, state):
+            self.loaded = state
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    te_spec = replace_core_attention(gls.get_gpt_layer_local_spec(), ModuleSpec(module=TEDotProductAttention))
+    (swapped,) = _core_attentions(sm.patch_layer_spec(te_spec, "striped"))
+    assert swapped.module is ContextParallelAttentionTEState
+    (swapped_twice,) = _core_attentions(sm.patch_layer_spec(sm.patch_layer_spec(te_spec), "striped"))
+    assert swapped_twice.module is ContextParallelAttentionTEState  # GPTModel's own re-patching keeps it
+    (local,) = _core_attentions(sm.patch_layer_spec(gls.get_gpt_layer_local_spec(), "striped"))
+    assert local.module is ContextParallelAttention
+
+    group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    pgc = types.SimpleNamespace(cp=group, tp=types.SimpleNamespace(size=lambda: 1))
+    kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", pg_collection=pgc)
+
+    def holder(core):  # the layer's path to its core attention, with one weight beside it
+        layer = torch.nn.Module()
+        layer.self_attention = torch.nn.Module()
+        layer.self_attention.core_attention = core
+        layer.self_attention.linear_proj = torch.nn.Linear(2, 2)
+        return layer
+
+    native = holder(TEDotProductAttention())
+    ours = holder(swapped.module(_config(), **swapped.params, **kw))
+    native_sd, ours_sd = native.state_dict(), ours.state_dict()
+    assert native_sd.keys() == ours_sd.keys() and "self_attention.core_attention._extra_state" in ours_sd
+    ours.load_state_dict(native_sd, strict=True)    # native -> striped
+    native.load_state_dict(ours_sd, strict=True)    # striped -> native (TE reads None as "no FP8")
+    plain = holder(local.module(_config(), **local.params, **kw))
+    assert not any("_extra_state" in k for k in plain.state_dict())
+
+
 # ---------------------------------------------------------------- install / uninstall and RoPE
 
 def _targets():

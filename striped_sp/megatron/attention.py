@@ -27,7 +27,7 @@ from ..layouts import positions
 from . import packed
 from .arguments import kernel_backend_of, layout_of
 
-__all__ = ["ContextParallelAttention"]
+__all__ = ["ContextParallelAttention", "ContextParallelAttentionTEState"]
 
 _CAUSAL_TYPES = ("causal", "padding_causal")
 
@@ -243,6 +243,20 @@ class ContextParallelAttention(MegatronModule):
             softmax_scale=self.softmax_scale, backend=self.backend,
             cu_seqlens=cu_seqlens, window_size=self.window_size, deterministic=self.deterministic,
         )
+
+
+class ContextParallelAttentionTEState(ContextParallelAttention):
+    """:class:`ContextParallelAttention` in place of Transformer Engine's ``TEDotProductAttention``:
+    its state dict carries the ``_extra_state`` entry TE's has (TE keeps FP8 scaling metadata
+    there), so a checkpoint of a ``native`` run loads here and one of ours loads into ``native``.
+    FP8 attention is refused, so a loaded entry is dropped and ``None`` is saved (which TE reads
+    as "no FP8 metadata")."""
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state) -> None:
+        pass
 
 
 def _padded(params) -> bool:

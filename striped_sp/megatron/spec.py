@@ -17,19 +17,28 @@ __all__ = ["patch_layer_spec", "replace_core_attention", "core_attention_spec"]
 _SKIP_FIELDS = ("module", "params", "metainfo")
 
 
-def core_attention_spec(algo: str = "striped", backend: str = "auto"):
-    """A ``ModuleSpec`` building :class:`ContextParallelAttention` with ``algo``."""
+def core_attention_spec(algo: str = "striped", backend: str = "auto", te_state: bool = False):
+    """A ``ModuleSpec`` building :class:`ContextParallelAttention` with ``algo``; with ``te_state``
+    the variant whose checkpoints carry Transformer Engine's ``_extra_state`` entry."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .attention import ContextParallelAttention
+    from .attention import ContextParallelAttention, ContextParallelAttentionTEState
 
     layout_of(algo)  # ValueError for native / unknown
-    return ModuleSpec(module=ContextParallelAttention, params={"algo": algo, "backend": backend})
+    module = ContextParallelAttentionTEState if te_state else ContextParallelAttention
+    return ModuleSpec(module=module, params={"algo": algo, "backend": backend})
+
+
+def _is_transformer_engine(core_attention) -> bool:
+    module = getattr(core_attention, "module", core_attention)
+    name = getattr(module, "__name__", "")
+    return name.startswith("TE") or name == "ContextParallelAttentionTEState"  # or already swapped
 
 
 def _swap(node, replacement, seen: set) -> int:
-    """Replace every ``core_attention`` field below ``node`` in place; count the swaps."""
-    if node is None or id(node) in seen or node is replacement:
+    """Replace every ``core_attention`` field below ``node`` in place by ``replacement(old)``;
+    count the swaps."""
+    if node is None or id(node) in seen:
         return 0
     seen.add(id(node))
     count = 0
@@ -42,23 +51,27 @@ def _swap(node, replacement, seen: set) -> int:
             if f.name in _SKIP_FIELDS:
                 continue
             if f.name == "core_attention":
-                setattr(node, f.name, replacement)
+                setattr(node, f.name, replacement(getattr(node, f.name)))
                 count += 1
             else:
                 count += _swap(getattr(node, f.name), replacement, seen)
     return count
 
 
-def replace_core_attention(spec, core_attention):
-    """A deep copy of ``spec`` with every ``core_attention`` set to ``core_attention``
-    (a ``ModuleSpec`` or module class).  ``ValueError`` if the spec has none."""
+def _replace(spec, replacement):
     patched = copy.deepcopy(spec)
-    if _swap(patched, core_attention, set()) == 0:
+    if _swap(patched, replacement, set()) == 0:
         raise ValueError(
             f"found no core_attention in {type(spec).__name__}: pass a GPT layer, "
             "decoder block or MTP block spec"
         )
     return patched
+
+
+def replace_core_attention(spec, core_attention):
+    """A deep copy of ``spec`` with every ``core_attention`` set to ``core_attention``
+    (a ``ModuleSpec`` or module class).  ``ValueError`` if the spec has none."""
+    return _replace(spec, lambda _old: core_attention)
 
 
 def patch_layer_spec(spec, algo: str = "striped", backend: str = "auto"):
@@ -73,4 +86,6 @@ def patch_layer_spec(spec, algo: str = "striped", backend: str = "auto"):
         return spec
     if (isinstance(spec, (list, tuple)) and not spec) or getattr(spec, "layer_specs", None) == []:
         return copy.deepcopy(spec)  # a pipeline stage with no decoder layers
-    return replace_core_attention(spec, core_attention_spec(algo, backend))
+    # Where Transformer Engine's core attention was, keep its checkpoint entry (_extra_state), so
+    # checkpoints move between --context-parallel-algo native and ours in both directions.
+    return _replace(spec, lambda old: core_attention_spec(algo, backend, te_state=_is_transformer_engine(old)))
