@@ -49,8 +49,7 @@ $(MVENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 test-megatron: $(MVENV)/.installed
-	$(MVENV)/bin/python -m pytest -q tests/test_megatron.py tests/test_megatron_packed.py \
-		tests/test_megatron_unit.py tests/test_megatron_args.py tests/test_megatron_demo.py
+	$(MVENV)/bin/python -m pytest -q tests/test_megatron*.py
 
 clean:
 	rm -rf $(VENV) .venv-mcore-* build *.egg-info

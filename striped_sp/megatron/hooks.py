@@ -11,7 +11,9 @@ imported it by name, so ``from x import f`` copies follow too):
   pretrain_gpt.py when loaded; hybrid-CP slicing refuses;
 * the GPT spec providers (local, Transformer Engine, decoder block, decoder layers, MTP
   block): every ``core_attention`` they return becomes ``ContextParallelAttention(algo)``;
-  ``GPTModel.__init__`` does the same to whatever layer and MTP specs it is given;
+  ``GPTModel.__init__`` (and ``HybridModel.__init__``, megatron-core >= 0.19) does the same to
+  whatever layer, stack and MTP specs it is given; HybridModel layers whose own context
+  parallelism assumes zigzag (Mamba, gated delta net) are refused under other algos;
 * MTP's ``roll_tensor``: rolls along the global sequence in the layout;
 * ``megatron.training.arguments.validate_args`` (when importable): also runs our checks.
 
@@ -140,22 +142,48 @@ def _spec_wrapper(fn):
     return wrapper
 
 
-def _gpt_model_init_wrapper(init):
-    """GPTModel.__init__ that runs its layer and MTP specs through ``patch_layer_spec``, so that
-    specs from any source (``--spec``, heterogeneous or inference specs, user code) follow."""
+def _model_init_wrapper(init, spec_args=("transformer_layer_spec", "mtp_block_spec"), check=None):
+    """A model's ``__init__`` that runs its layer / stack / MTP specs through
+    ``patch_layer_spec``, so that specs from any source (``--spec``, heterogeneous or inference
+    specs, user code) follow; ``check(model)`` then refuses layers the layout cannot run."""
     params = inspect.signature(init)
 
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
         if _STATE["algo"] is not None:
             bound = params.bind(self, *args, **kwargs)
-            for name in ("transformer_layer_spec", "mtp_block_spec"):
+            for name in spec_args:
                 if bound.arguments.get(name) is not None:
                     bound.arguments[name] = patch_layer_spec(bound.arguments[name], _STATE["algo"], _STATE["backend"])
             args, kwargs = bound.args[1:], bound.kwargs
-        return init(self, *args, **kwargs)
+        init(self, *args, **kwargs)
+        if _STATE["algo"] is not None and check is not None:
+            check(self)
 
     return wrapper
+
+
+#: HybridModel layers whose own context parallelism assumes Megatron's zigzag layout (their class
+#: names), and layers whose attention the ring does not run at all
+_ZIGZAG_ONLY_LAYERS = {"MambaLayer": "Mamba ('M')", "GatedDeltaNet": "gated delta net ('G')"}
+_UNSUPPORTED_LAYERS = {"DSAttention": "DeepSeek sparse attention ('D')",
+                       "MLASelfAttention": "multi-latent attention ('L')"}
+
+
+def _check_hybrid_layers(model) -> None:
+    """Refuse, by name and before any forward, the HybridModel layers the algo cannot run."""
+    algo = _STATE["algo"]
+    for module in model.modules():
+        name = type(module).__name__
+        if name in _ZIGZAG_ONLY_LAYERS and algo != "zigzag":
+            raise ValueError(
+                f"--context-parallel-algo {algo}: the hybrid pattern has {_ZIGZAG_ONLY_LAYERS[name]} layers, "
+                "whose context parallelism assumes Megatron's zigzag layout: use --context-parallel-algo "
+                "zigzag (or native) for this model")
+        for key, what in _UNSUPPORTED_LAYERS.items():
+            if key in name:
+                raise ValueError(f"--context-parallel-algo {algo} does not run {what} layers: "
+                                 "use --context-parallel-algo native for this model")
 
 
 def _validate_wrapper(fn):
@@ -264,7 +292,14 @@ def _apply() -> None:
     # Every GPT model built while installed, whatever its spec's source.
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    _set(GPTModel, "__init__", _gpt_model_init_wrapper(GPTModel.__dict__["__init__"]))
+    _set(GPTModel, "__init__", _model_init_wrapper(GPTModel.__dict__["__init__"]))
+    try:  # megatron-core >= 0.19 (GPTModel's successor): its stack spec holds layers and MTP
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:
+        HybridModel = None
+    if HybridModel is not None:
+        _set(HybridModel, "__init__", _model_init_wrapper(
+            HybridModel.__dict__["__init__"], ("hybrid_stack_spec",), _check_hybrid_layers))
 
     # MTP roll.
     from megatron.core.transformer import multi_token_prediction
