@@ -84,6 +84,12 @@ class Kernel:
         varlen_backward(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
 
 
+def _uses_cpu_op(t: torch.Tensor) -> bool:
+    """Whether :class:`TorchKernel` takes its CPU op for ``t`` (else the CUDA ops).  One seam, so
+    that tests without a GPU can run the CUDA branch on CPU tensors (tests/test_cuda_contracts.py)."""
+    return t.device.type == "cpu"
+
+
 def _cpu_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The CPU op's backward wants lse in float64 for float64 inputs (float32 otherwise)."""
     return lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
@@ -153,7 +159,23 @@ class TorchKernel(Kernel):
 
     CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (GQA native).  CUDA: the flash op for
     fp16/bf16 on sm80+, else the memory-efficient op; the cuDNN op with ``backend="torch_cudnn"``.
-    The CUDA ops need equal head counts, so kv heads are expanded *inside* the kernel only.
+    On CUDA, kv heads are expanded *inside* the kernel only (GQA/MQA), for every op, because
+    no torch build here can show that the private ops take fewer kv heads on a GPU:
+
+    * flash: PyTorch's vendored flash-attn ``mha_fwd``/``mha_bwd`` accept ``num_heads_k`` dividing
+      ``num_heads`` (and sum dK/dV over the group), and the newest ``sdp_utils.cpp`` admits GQA for
+      the flash backend; but older ``_scaled_dot_product_flash_attention_cuda`` (torch 2.2 era)
+      reshaped ``key`` with the *query* head count, so it depends on the release;
+    * efficient: ``_efficient_attention_forward`` has ``TORCH_CHECK(query.size(2) == key.size(2))``
+      in the releases read; only the newest ``sdp_utils.cpp`` lists GQA for it (non-ROCm);
+    * cuDNN: ``sdp_utils.cpp`` admits GQA (``requires_same_num_heads=false``) in recent releases;
+    * the meta kernels accept fewer kv heads for all three but check nothing, so they are no
+      evidence.  ``enable_gqa`` exists only on ``F.scaled_dot_product_attention``, which returns
+      no lse.
+
+    ``tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu`` runs each op unexpanded on a
+    GPU; drop the expansion per op once it passes there.  flash-attn (``backend="flash_attn"``)
+    is GQA native already.
     """
 
     name = "torch"
@@ -193,7 +215,7 @@ class TorchKernel(Kernel):
         return "efficient"
 
     def forward(self, q, k, v, causal, scale):
-        if q.device.type == "cpu":
+        if _uses_cpu_op(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
             )
@@ -215,7 +237,7 @@ class TorchKernel(Kernel):
         return out.transpose(1, 2), lse.float().contiguous()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        if q.device.type == "cpu":
+        if _uses_cpu_op(q):
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 out.transpose(1, 2), _cpu_lse(lse, q), 0.0, causal, scale=scale,
@@ -252,7 +274,7 @@ class TorchKernel(Kernel):
 
     # -- masks and varlen (packed documents, sliding windows) ------------------------------
     def forward_masked(self, q, k, v, mask, scale):
-        if q.device.type == "cpu":
+        if _uses_cpu_op(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
                 attn_mask=_additive_mask(mask, q.dtype), scale=scale,
@@ -266,7 +288,7 @@ class TorchKernel(Kernel):
         return res[0].transpose(1, 2), res[1][:, :, : q.size(1)].float().contiguous()
 
     def backward_masked(self, dout, q, k, v, out, lse, mask, scale):
-        if q.device.type == "cpu":
+        if _uses_cpu_op(q):
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 out.transpose(1, 2), _cpu_lse(lse, q), 0.0, False,

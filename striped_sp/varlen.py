@@ -197,7 +197,9 @@ def native_varlen_forward(call, q, k, v, segs: Segments, acc_out, acc_lse) -> No
     for wl, wr, qr, cu_q, mq, kr, cu_k, mk in _groups(segs, nq, nk, b, q.device):
         o, l = call(qf.index_select(0, qr), kf.index_select(0, kr), vf.index_select(0, kr), cu_q, cu_k, mq, mk, wl, wr)
         _merge_rows(acc_f, lse_f, qr, o.unsqueeze(0), l[:, : qr.numel()].float().unsqueeze(0))
-    acc_lse.copy_(lse_f.view(h, b, nq).transpose(0, 1))
+    res = lse_f.view(h, b, nq).transpose(0, 1)
+    if not (b == 1 and res.data_ptr() == acc_lse.data_ptr()):  # b == 1: lse_f is a view of acc_lse
+        acc_lse.copy_(res)
 
 
 def native_varlen_backward(call, dout, q, k, v, out, lse, segs: Segments, dq, dk, dv) -> None:
