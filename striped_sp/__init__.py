@@ -3,6 +3,7 @@
 from .attention import ring_attention, striped_attention
 from .layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
 from .packing import PaddedDocuments, document_positions, pad_documents
+from .ulysses import ulysses_ring_groups
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,5 @@ __all__ = [
     "pad_documents",
     "document_positions",
     "PaddedDocuments",
+    "ulysses_ring_groups",
 ]

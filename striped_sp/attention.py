@@ -13,6 +13,7 @@ from .kernels import Kernel, resolve_kernel
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
 from .ring import Ring
+from .ulysses import GroupedLayout, check_ulysses, heads_to_seq, seq_to_heads, ulysses_ring_groups
 
 __all__ = ["ring_attention", "striped_attention", "merge_block"]
 
@@ -205,7 +206,8 @@ _META_LEN = 14  # shape (4), kv heads, dtype, layout, causal, scale, mask digest
 
 
 def _check_consistent_across_ranks(q, k, layout: Layout | None, causal: bool, scale: float, group,
-                                   mask: MaskSpec | None = None, error: ValueError | None = None) -> None:
+                                   mask: MaskSpec | None = None, error: ValueError | None = None,
+                                   ulysses: int = 1) -> None:
     """Opt-in (``STRIPED_SP_CHECK_RANKS=1``): one small all-gather of every rank's shapes, dtype,
     layout, causal flag, scale, document boundaries and window, and of whether its own argument
     checks failed (``error``), so that ranks called with different or bad arguments all raise a
@@ -213,7 +215,7 @@ def _check_consistent_across_ranks(q, k, layout: Layout | None, causal: bool, sc
     names = sorted(_LAYOUT_CODES)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     if error is None:
-        meta = [*q.shape, k.size(2), _DTYPE_CODES.get(q.dtype, 0), _LAYOUT_CODES[layout.name],
+        meta = [*q.shape, k.size(2), _DTYPE_CODES.get(q.dtype, 0), _LAYOUT_CODES[layout.name] + 16 * ulysses,
                 int(causal), round(scale * 1e9), *_mask_digest(mask), 0]
     else:
         meta = [0] * (_META_LEN - 1) + [1]
@@ -229,7 +231,7 @@ def _check_consistent_across_ranks(q, k, layout: Layout | None, causal: bool, sc
         raise ValueError(f"ring_attention: the argument checks failed on rank(s) {failed} of the group "
                          "(their own ValueError says why); no rank started the ring")
     if any(row != rows[0] for row in rows):
-        fields = ("batch, s_local, heads, head_dim, kv_heads, dtype, layout, causal, scale*1e9, "
+        fields = ("batch, s_local, heads, head_dim, kv_heads, dtype, layout + 16 * ulysses_size, causal, scale*1e9, "
                   "documents, cu_seqlens checksum, window left, window right, -")
         detail = "; ".join(f"rank {r}: {row}" for r, row in enumerate(rows))
         raise ValueError(
@@ -252,6 +254,8 @@ def ring_attention(
     cu_seqlens: torch.Tensor | None = None,
     window_size: tuple[int, int] | None = None,
     deterministic: bool = False,
+    ulysses_size: int = 1,
+    ulysses_groups: tuple | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -275,6 +279,12 @@ def ring_attention(
         deterministic: bitwise-reproducible backward (Megatron's ``--deterministic-mode``): the
             ring's order is fixed; on CUDA the kernel must be flash-attn (its deterministic mode)
             or ``math``; PyTorch's fused CUDA ops are refused with a ``ValueError``.
+        ulysses_size: ``u > 1`` runs hierarchical CP (:mod:`striped_sp.ulysses`): an all-to-all
+            over heads inside groups of ``u`` consecutive ranks of ``group``, the ring across
+            them.  The inputs stay sharded by ``shard(x, N, rank, layout)`` over the whole group.
+            ``u`` must divide ``N`` and ``heads``; kv heads must divide by ``u`` or divide it.
+        ulysses_groups: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` (needed
+            when ``group`` is not the default group, whose groups are built on first use).
 
     Returns:
         ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
@@ -300,7 +310,24 @@ def ring_attention(
         scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
         if not scale > 0:
             raise ValueError(f"softmax_scale={softmax_scale} must be positive")
-        mask = _make_mask(q, group, lay, bool(causal), cu_seqlens, window_size)
+        hierarchical = ulysses_size != 1 or ulysses_groups is not None
+        if hierarchical:
+            n = dist.get_world_size(group)
+            if ulysses_groups is not None:
+                _check_ulysses_groups(group, ulysses_groups, ulysses_size)
+            u = ulysses_size if ulysses_groups is None else ulysses_groups[0].size()
+            check_ulysses(u, n, q.size(2), k.size(2))
+            if ulysses_groups is None and n != dist.get_world_size():
+                raise ValueError(
+                    f"ulysses_size={u} on a group of {n} of the {dist.get_world_size()} ranks: build its "
+                    "groups once on every rank with striped_sp.ulysses_ring_groups(...) and pass "
+                    "ulysses_groups=(inner, outer)")
+            # the ring over the inner groups runs the engine's masked plans, even for a plain mask
+            mask = make_mask(q.size(1) * n, n, lay, cu_seqlens, window_size, bool(causal))
+            if cu_seqlens is not None and q.size(0) != 1:
+                raise ValueError(f"cu_seqlens needs batch size 1, got batch {q.size(0)}")
+        else:
+            mask = _make_mask(q, group, lay, bool(causal), cu_seqlens, window_size)
         if mask is not None and kernel.varlen_unavailable_reason() is not None:
             raise ValueError(f"backend {kernel.name!r} cannot run cu_seqlens / window_size: "
                              f"{kernel.varlen_unavailable_reason()}")
@@ -309,8 +336,37 @@ def ring_attention(
             _check_consistent_across_ranks(q, k, None, bool(causal), 1.0, group, error=e)
         raise
     if check_ranks:
-        _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group, mask)
-    return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask)
+        _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group, mask,
+                                       ulysses=u if hierarchical else 1)
+    if not hierarchical:
+        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask)
+    inner, outer = ulysses_groups if ulysses_groups is not None else ulysses_ring_groups(
+        [dist.get_process_group_ranks(group)], u)
+    if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
+        k, v = (t.repeat_interleave(u // k.size(2), dim=2) for t in (k, v))
+    q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
+    out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(lay, u), bool(causal), scale, kernel, mask)
+    return heads_to_seq(out, inner, u)
+
+
+def _check_ulysses_groups(group, groups, ulysses_size: int) -> None:
+    """``(inner, outer)`` must be this rank's groups of the documented mapping over ``group``."""
+    try:
+        inner, outer = groups
+    except (TypeError, ValueError):
+        raise ValueError("ulysses_groups must be a pair (inner, outer) of process groups") from None
+    u = inner.size()
+    if ulysses_size not in (1, u):
+        raise ValueError(f"ulysses_size={ulysses_size} but the inner group has {u} ranks")
+    cp = dist.get_process_group_ranks(group)
+    m = dist.get_rank(group)
+    want_inner = cp[m // u * u:(m // u + 1) * u]
+    want_outer = cp[m % u::u]
+    if dist.get_process_group_ranks(inner) != want_inner or dist.get_process_group_ranks(outer) != want_outer:
+        raise ValueError(
+            f"ulysses_groups do not follow the mapping over the CP group: rank {cp[m]} needs inner ranks "
+            f"{want_inner} and outer ranks {want_outer}, got {dist.get_process_group_ranks(inner)} and "
+            f"{dist.get_process_group_ranks(outer)} (inner groups: u consecutive CP ranks)")
 
 
 def _make_mask(q, group, layout: Layout, causal: bool, cu_seqlens, window_size) -> MaskSpec | None:

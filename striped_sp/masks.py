@@ -263,7 +263,11 @@ def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
     a1 = torch.minimum(_ceil_div(ends[doc] - pos0[run], stride), count[run])
     keep = a1 > a0
     a0, a1, doc, run = a0[keep], a1[keep], doc[keep], run[keep]
-    return doc, local0[run] + a0, pos0[run] + a0 * stride, a1 - a0
+    local = local0[run] + a0
+    # by document, then local start: block_plan pairs pieces by document (a grouped layout lists
+    # its members' runs one member after another, each member's documents in order)
+    order = torch.argsort(doc * (int(local.max()) + 1 if local.numel() else 1) + local)
+    return doc[order], local[order], (pos0[run] + a0 * stride)[order], (a1 - a0)[order]
 
 
 def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, pieces=None) -> list[SegmentCall]:

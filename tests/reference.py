@@ -36,3 +36,16 @@ def reference_attention(q, k, v, causal: bool, scale: float, cu_seqlens=None, wi
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def sharded_errors(out, local_inputs, ref, ref_inputs, shard) -> dict:
+    """Errors of a sharded forward (``out``) and of its inputs' gradients (``local_inputs``: q, k,
+    v with ``.grad``) against the float64 reference (``ref``, ``ref_inputs`` with ``.grad``),
+    each relative to ``max(1, |reference|)`` (a window of 0 makes some reference gradients 0)."""
+    def err(x, want):
+        return ((x.double() - want.double()).abs().max() / max(1.0, want.double().abs().max().item())).item()
+
+    errs = {"out": err(out, shard(ref))}
+    for name, mine, theirs in zip(("dq", "dk", "dv"), local_inputs, ref_inputs):
+        errs[name] = err(mine.grad, shard(theirs.grad))
+    return errs

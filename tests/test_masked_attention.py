@@ -8,7 +8,7 @@ import torch
 
 import striped_sp
 from dist_helper import CaseTable, cp_group
-from reference import reference_attention
+from reference import reference_attention, sharded_errors
 
 SEED = random.randrange(2**31)
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (8, 1)}
@@ -71,8 +71,7 @@ def check_masked(n, layout, heads, dtype, seed, local_len, docs, window, causal=
                                     backend=backend, cu_seqlens=cu, window_size=window)
     assert out.dtype == dtype and out.shape == ql.shape
     (out * sh(dout)).sum().backward()
-    errs = {"out": _err(out, sh(ref)), "dq": _err(ql.grad, sh(qr.grad)),
-            "dk": _err(kl.grad, sh(kr.grad)), "dv": _err(vl.grad, sh(vr.grad))}
+    errs = sharded_errors(out, (ql, kl, vl), ref, (qr, kr, vr), sh)
     bad = {name: e for name, e in errs.items() if not e < TOL[dtype]}
     assert not bad, f"seed={seed} bounds={bounds} window={window}: errors above {TOL[dtype]}: {bad}"
 
