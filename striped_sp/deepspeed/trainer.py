@@ -32,6 +32,12 @@ and :func:`.check_sequence_parallel_settings` refuse.
 
 from __future__ import annotations
 
+try:
+    from transformers import Trainer
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError("ContextParallelTrainer needs transformers and accelerate: "
+                      "pip install 'striped_sp[hf]' accelerate") from err
+
 from .accelerate import enable_accelerate
 from .config import load_config, parse_config
 from .zero import check_sequence_parallel_settings
@@ -76,42 +82,29 @@ def check_training_arguments(args, compute_loss_func=None):
     return settings
 
 
-def _trainer_class():
-    from transformers import Trainer
+class ContextParallelTrainer(Trainer):
+    """``transformers.Trainer`` that trains with striped context parallelism when the DeepSpeed
+    JSON of ``args.deepspeed`` has ``sequence_parallel_size > 1`` (see the module notes)."""
 
-    class ContextParallelTrainer(Trainer):
-        """``transformers.Trainer`` that trains with striped context parallelism when the DeepSpeed
-        JSON of ``args.deepspeed`` has ``sequence_parallel_size > 1`` (see the module notes)."""
+    def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is None:
+            raise ValueError("ContextParallelTrainer needs args=TrainingArguments(deepspeed=...)")
+        self.context_parallel = check_training_arguments(training_args, kwargs.get("compute_loss_func"))
+        super().__init__(*args, **kwargs)
 
-        def __init__(self, *args, **kwargs):
-            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-            if training_args is None:
-                raise ValueError("ContextParallelTrainer needs args=TrainingArguments(deepspeed=...)")
-            self.context_parallel = check_training_arguments(training_args, kwargs.get("compute_loss_func"))
-            super().__init__(*args, **kwargs)
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        enable_accelerate(self.accelerator, seed=self.args.seed, config=self.args.hf_deepspeed_config.config)
 
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            enable_accelerate(self.accelerator, seed=self.args.seed, config=self.args.hf_deepspeed_config.config)
+    def get_total_train_batch_size(self, args) -> int:
+        return super().get_total_train_batch_size(args) // self.context_parallel.sequence_parallel_size
 
-        def get_total_train_batch_size(self, args) -> int:
-            return super().get_total_train_batch_size(args) // self.context_parallel.sequence_parallel_size
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
-            sp = self.context_parallel.sequence_parallel_size
-            if sp == 1 or num_items_in_batch is None or not self.model_accepts_loss_kwargs:
-                return out
-            # the Trainer multiplied by all processes; DeepSpeed averages over data-parallel ones only
-            return (out[0] / sp, out[1]) if return_outputs else out / sp
-
-    return ContextParallelTrainer
-
-
-def __getattr__(name):  # transformers is imported on first use
-    if name == "ContextParallelTrainer":
-        cls = _trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        sp = self.context_parallel.sequence_parallel_size
+        if sp == 1 or num_items_in_batch is None or not self.model_accepts_loss_kwargs:
+            return out
+        # the Trainer multiplied by all processes; DeepSpeed averages over data-parallel ones only
+        return (out[0] / sp, out[1]) if return_outputs else out / sp
