@@ -6,7 +6,7 @@ The user's usual Trainer script; the one change is the import of the Trainer cla
 model is built from a config (random init, nothing downloaded) and trained on learnable patterns.
 
     python examples/deepspeed/train_trainer.py                          # spawns 2 CPU ranks itself
-    python examples/deepspeed/train_trainer.py --zero 3 --steps 8
+    python examples/deepspeed/train_trainer.py --zero 3 --steps 8 --bf16
     torchrun --nproc_per_node 2 examples/deepspeed/train_trainer.py     # or any launcher
     deepspeed --num_gpus 2 examples/deepspeed/train_trainer.py --deepspeed examples/deepspeed/ds_config_trainer.json
 
@@ -33,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--deepspeed", default=os.path.join(HERE, "ds_config_trainer.json"), help="DeepSpeed JSON")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="override zero_optimization.stage")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--bf16", action="store_true", help="bf16 training (fills the JSON's bf16 'auto')")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--output-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "striped_sp_trainer"))
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not started by a launcher")
@@ -57,7 +58,7 @@ def main(args) -> None:
         output_dir=args.output_dir, deepspeed=ds_config, per_device_train_batch_size=micro,
         per_device_eval_batch_size=micro, gradient_accumulation_steps=gas, learning_rate=5e-3,
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=not torch.cuda.is_available(), dataloader_pin_memory=False, seed=0)
+        bf16=args.bf16, use_cpu=not torch.cuda.is_available(), dataloader_pin_memory=False, seed=0)
     trainer = Trainer(model=tiny_llama(vocab), args=training_args,
                       train_dataset=PatternData(samples, args.seq_len, vocab),
                       eval_dataset=PatternData(4, args.seq_len, vocab))
