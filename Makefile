@@ -45,7 +45,7 @@ $(MVENV)/.installed: setup.cfg pyproject.toml
 	test -x $(MVENV)/bin/python || $(MPYTHON) -m venv $(MVENV)
 	$(MVENV)/bin/python -m pip install --quiet --upgrade pip
 	$(MVENV)/bin/python -m pip install --quiet $(TORCH)
-	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" $(TORCH)
+	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" einops $(TORCH)
 	touch $@
 
 test-megatron: $(MVENV)/.installed

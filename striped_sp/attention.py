@@ -284,7 +284,9 @@ def ring_attention(
             them.  The inputs stay sharded by ``shard(x, N, rank, layout)`` over the whole group.
             ``u`` must divide ``N`` and ``heads``; kv heads must divide by ``u`` or divide it.
         ulysses_groups: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` (needed
-            when ``group`` is not the default group, whose groups are built on first use).
+            when ``group`` is not the default group, whose groups are built on first use), or
+            Megatron's hierarchical CP groups; ``outer=None`` with ``inner`` = ``group``: pure
+            Ulysses.
 
     Returns:
         ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
@@ -362,11 +364,12 @@ def _check_ulysses_groups(group, groups, ulysses_size: int) -> None:
     m = dist.get_rank(group)
     want_inner = cp[m // u * u:(m // u + 1) * u]
     want_outer = cp[m % u::u]
-    if dist.get_process_group_ranks(inner) != want_inner or dist.get_process_group_ranks(outer) != want_outer:
+    got_outer = [cp[m]] if outer is None else dist.get_process_group_ranks(outer)  # None: a ring of one
+    if dist.get_process_group_ranks(inner) != want_inner or got_outer != want_outer:
         raise ValueError(
             f"ulysses_groups do not follow the mapping over the CP group: rank {cp[m]} needs inner ranks "
             f"{want_inner} and outer ranks {want_outer}, got {dist.get_process_group_ranks(inner)} and "
-            f"{dist.get_process_group_ranks(outer)} (inner groups: u consecutive CP ranks)")
+            f"{got_outer} (inner groups: u consecutive CP ranks; outer None only when u is the CP size)")
 
 
 def _make_mask(q, group, layout: Layout, causal: bool, cu_seqlens, window_size) -> MaskSpec | None:

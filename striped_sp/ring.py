@@ -25,10 +25,14 @@ class Transfer:
 
 class Ring:
     """A ring over the ranks of ``group``: sends go to the next rank, receives come from the
-    previous one.  Neighbours are *global* ranks, taken from the group itself."""
+    previous one.  Neighbours are *global* ranks, taken from the group itself.  ``None``: a ring
+    of this rank alone (it never sends)."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
+        if group is None:  # a ring of one rank (hierarchical CP with every rank in one Ulysses group)
+            self.rank, self.world_size = 0, 1
+            return
         ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank(group)
         self.world_size = len(ranks)

@@ -102,7 +102,13 @@ def setup_groups():
     import striped_sp.megatron as sm
     from striped_sp.megatron.toy import single_rank_group
 
-    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+    try:  # Megatron's hierarchical CP groups (Ulysses 2 x ring 2) as well, for --cp-comm-type a2a+p2p
+        import einops  # noqa: F401  (Megatron builds them with it)
+        hierarchical = [2, dist.get_world_size() // 2] if dist.get_world_size() == 4 else None
+    except ImportError:
+        hierarchical = None
+    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size(),
+                                             hierarchical_context_parallel_sizes=hierarchical)
     sm.install("striped")
     _GROUPS[1] = single_rank_group()
     _GROUPS[2] = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]

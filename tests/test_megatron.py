@@ -45,7 +45,7 @@ def _loss(model, b, mtp=None):
     return (out * b["loss_mask"]).sum()
 
 
-def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None):
+def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None, cp_comm_type=None):
     env = _setup()
     import striped_sp.megatron as sm
     from striped_sp.megatron.toy import tiny_gpt
@@ -54,11 +54,20 @@ def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None):
     h, kvh = HEADS[heads]
     common = dict(vocab_size=VOCAB, max_seq_len=SEQ, hidden=32, heads=h, kv_heads=kvh, layers=2,
                   position_embedding_type=pos, seed=seed, mtp_layers=mtp)
+    if cp_comm_type is not None:  # Ulysses inside (Megatron's hierarchical CP groups), ring across
+        from megatron.core import parallel_state
+
+        if cp_comm_type == "a2a+p2p" and parallel_state.get_hierarchical_context_parallel_groups(False) is None:
+            return  # no einops here: Megatron cannot build its hierarchical groups
+        common["cp_comm_type"] = cp_comm_type
     if mtp:  # Megatron divides the MTP loss by each CP rank's own token count unless per-token
         common["calculate_per_token_loss"] = True
     ref = tiny_gpt(env[1], algo, **common)
     use_reference_attention(ref, ref.config)
     model = tiny_gpt(env[cp], algo, **common)
+    if cp_comm_type is not None:  # the hierarchical path really runs (the plain ring would pass too)
+        inner = [m.ulysses_groups[0].size() for m in model.modules() if isinstance(m, sm.ContextParallelAttention)]
+        assert inner and all(u == (2 if cp_comm_type == "a2a+p2p" else cp) for u in inner), inner
     if scale_error is not None:  # a deliberate adapter bug: the comparison must catch it
         for module in model.modules():
             if isinstance(module, sm.ContextParallelAttention):
@@ -182,6 +191,8 @@ def _cases():
     cases.append(("gpt-cp2-striped-mtp", check_gpt, (2, "striped", "rope", "gqa", SEED + 7, 1)))
     cases.append(("gpt-cp4-ring-mtp", check_gpt, (4, "ring", "learned_absolute", "mha", SEED + 8, 1)))
     cases.append(("adapter-bug-is-caught", check_adapter_bug_is_caught, (SEED + 9,)))
+    for algo, comm in (("striped", "a2a+p2p"), ("zigzag", "a2a+p2p"), ("ring", "a2a"), ("striped", "a2a")):
+        cases.append((f"gpt-cp4-{algo}-{comm}", check_gpt, (4, algo, "rope", "mha", SEED + 10, None, None, comm)))
     for cp, algo in itertools.product([2, 4], ALGOS):
         cases.append((f"slice-cp{cp}-{algo}", check_batch_slicing, (cp, algo, SEED + 1)))
         cases.append((f"roll-cp{cp}-{algo}", check_mtp_roll, (cp, algo, -1, SEED + 2)))

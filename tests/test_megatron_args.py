@@ -54,14 +54,20 @@ def test_valid_settings_pass():
     sm.validate_args(_args(reset_attention_mask=True, reset_position_ids=True, window_size=(64, 0)))
     sm.validate_args(_args(reset_attention_mask=True, pipeline_model_parallel_size=2))
     sm.validate_args(_args(mtp_num_layers=1, calculate_per_token_loss=True, window_size=(-1, 0)))
+    # hierarchical CP: Ulysses inside, the ring across (or pure Ulysses)
+    sm.validate_args(_args(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[2, 2], num_attention_heads=8))
+    sm.validate_args(_args(cp_comm_type=["a2a"], num_attention_heads=8))
 
 
 @pytest.mark.parametrize("kw, words", [
     (dict(context_parallel_size=1), "--context-parallel-size"),
     (dict(seq_length=4098), "--seq-length"),
     (dict(context_parallel_algo="zigzag", seq_length=4 * 3), "2 * --context-parallel-size"),
-    (dict(cp_comm_type=["a2a"]), "--cp-comm-type"),
-    (dict(cp_comm_type=["p2p", "a2a+p2p"]), "--cp-comm-type"),
+    (dict(cp_comm_type=["allgather"]), "--cp-comm-type p2p, a2a and a2a+p2p (got allgather)"),
+    (dict(cp_comm_type=["p2p", "a2a+p2p"]), "needs --hierarchical-context-parallel-sizes U R"),
+    (dict(cp_comm_type=["a2a"], num_attention_heads=6), "must divide the attention heads"),
+    (dict(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[4, 1], num_attention_heads=8,
+          tensor_model_parallel_size=4), "must divide the attention heads per tensor-parallel rank (8 / 4)"),
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     (dict(attention_dropout=0.1), "--attention-dropout 0"),
     (dict(sft=True), "--calculate-per-token-loss"),
@@ -79,7 +85,6 @@ def test_valid_settings_pass():
      "without a virtual pipeline"),
     (dict(reset_attention_mask=True, create_attention_mask_in_dataloader=False),
      "--no-create-attention-mask-in-dataloader"),
-    (dict(hierarchical_context_parallel_sizes=[2, 2]), "--hierarchical-context-parallel-sizes"),
     (dict(qk_clip=True), "--qk-clip"),
     (dict(log_max_attention_logit=True), "--log-max-attention-logit"),
     (dict(cuda_graph_impl="local"), "--cuda-graph-impl none"),

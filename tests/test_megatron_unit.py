@@ -98,7 +98,7 @@ def test_core_attention_rejects_unsupported_settings():
     with pytest.raises(ValueError, match="--attention-dropout 0"):
         sm.ContextParallelAttention(_config(attention_dropout=0.1), **kw)
     with pytest.raises(ValueError, match="--cp-comm-type"):
-        sm.ContextParallelAttention(_config(), cp_comm_type="a2a", **kw)
+        sm.ContextParallelAttention(_config(), cp_comm_type="allgather", **kw)
     with pytest.raises(ValueError, match="--context-parallel-algo"):
         sm.ContextParallelAttention(_config(), algo="native", **kw)
     with pytest.raises(ValueError, match="--multi-latent-attention"):
@@ -343,7 +343,7 @@ def test_installed_gpt_model_patches_any_spec():
         sm.install("striped")
         assert GPTModel.__dict__["__init__"] is not original_init
         assert inspect.signature(GPTModel.__init__) == inspect.signature(original_init)
-        hooks._gpt_model_init_wrapper(fake_init)(None, "cfg", raw, 32, 16, mtp_block_spec=None)
+        hooks._model_init_wrapper(fake_init)(None, "cfg", raw, 32, 16, mtp_block_spec=None)
         [ours] = _core_attentions(seen["layer"])
         assert ours.module is ContextParallelAttention and ours.params["algo"] == "striped"
         assert seen["vocab"] == 32 and seen["mtp"] is None

@@ -35,7 +35,9 @@ def check_hierarchical(u, layout, heads, dtype, seed, bounds=None, window=None, 
 
     ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
     kwargs = {"ulysses_size": u}
-    if explicit:
+    if explicit == "pure":  # pure Ulysses as Megatron's --cp-comm-type a2a gives it: no ring group
+        kwargs = {"ulysses_groups": (dist.group.WORLD, None)}
+    elif explicit:
         kwargs = {"ulysses_groups": striped_sp.ulysses_ring_groups([list(range(WORLD))], u)}
     out = striped_sp.ring_attention(ql, kl, vl, layout=layout, softmax_scale=0.25, window_size=window,
                                     cu_seqlens=None if bounds is None else torch.tensor(bounds), **kwargs)
@@ -85,6 +87,8 @@ def _cases():
     cases.append(("u4-striped-window", check_hierarchical, (4, "striped", "gqa", torch.float32, SEED + 7, None, (5, 0))))
     cases.append(("u2-striped-explicit-groups", check_hierarchical,
                   (2, "striped", "gqa", torch.float32, SEED + 8, None, None, True)))
+    cases.append(("u4-zigzag-pure-ulysses-groups", check_hierarchical,
+                  (4, "zigzag", "gqa", torch.float32, SEED + 10, None, None, "pure")))
     cases.append(("bad-input", check_bad_input, (SEED + 9,)))
     return cases
 

@@ -153,20 +153,31 @@ def validate_args(args) -> None:
                 "--seq-length or --context-parallel-size"
             )
     comm = _cp_comm_types(getattr(args, "cp_comm_type", None))
-    if any(c != "p2p" for c in comm):
+    if any(c not in ("p2p", "a2a", "a2a+p2p") for c in comm):
         raise ValueError(
-            f"{flag} supports only --cp-comm-type p2p (got {' '.join(comm)}): "
-            "set --cp-comm-type p2p or use --context-parallel-algo native"
+            f"{flag} supports --cp-comm-type p2p, a2a and a2a+p2p (got {' '.join(comm)}): "
+            "choose among those or use --context-parallel-algo native"
         )
+    hier = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if "a2a+p2p" in comm and (not hier or len(hier) != 2):
+        raise ValueError(
+            f"{flag} with --cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R "
+            f"(a Ulysses group of U ranks, a ring of R; U x R = --context-parallel-size), got {hier}"
+        )
+    heads = getattr(args, "num_attention_heads", None)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    for comm_type in set(comm) - {"p2p"}:
+        u = cp if comm_type == "a2a" else int(hier[0])
+        if heads is not None and (heads // tp) % u:
+            raise ValueError(
+                f"{flag} with --cp-comm-type {comm_type}: the Ulysses group of {u} ranks must divide the "
+                f"attention heads per tensor-parallel rank ({heads} / {tp}): change "
+                "--hierarchical-context-parallel-sizes or --num-attention-heads"
+            )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError(
             f"{flag} does not support hybrid context parallelism yet: drop "
             "--hybrid-context-parallel or use --context-parallel-algo native"
-        )
-    hier = getattr(args, "hierarchical_context_parallel_sizes", None)
-    if hier:
-        raise ValueError(
-            f"{flag} does not support --hierarchical-context-parallel-sizes yet: drop it"
         )
     dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:

@@ -81,11 +81,13 @@ class ContextParallelAttention(MegatronModule):
                 f"{flag} does not support attention dropout yet (got {dropout}): "
                 "set --attention-dropout 0 (TransformerConfig.attention_dropout=0.0)"
             )
-        if cp_comm_type not in (None, "p2p"):
+        if cp_comm_type not in (None, "p2p", "a2a", "a2a+p2p"):
             raise ValueError(
-                f"{flag} supports only --cp-comm-type p2p (got {cp_comm_type!r}): "
-                "set --cp-comm-type p2p or use --context-parallel-algo native"
+                f"{flag} supports --cp-comm-type p2p (the ring), a2a (Ulysses) and a2a+p2p (Ulysses "
+                f"inside, the ring across), got {cp_comm_type!r}: choose one of those or use "
+                "--context-parallel-algo native"
             )
+        self.cp_comm_type = cp_comm_type or "p2p"
         for name, channels in (("k_channels", k_channels), ("v_channels", v_channels)):
             if channels is not None and channels != config.kv_channels:
                 raise ValueError(
@@ -118,6 +120,7 @@ class ContextParallelAttention(MegatronModule):
             self.cp_group = pg_collection.cp
         else:
             self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        self.ulysses_groups = _ulysses_groups(self.cp_comm_type, self.cp_group, pg_collection, flag)
         tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         if tp is None:
             tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
@@ -242,6 +245,7 @@ class ContextParallelAttention(MegatronModule):
             layout=self.layout, causal=causal,
             softmax_scale=self.softmax_scale, backend=self.backend,
             cu_seqlens=cu_seqlens, window_size=self.window_size, deterministic=self.deterministic,
+            ulysses_groups=self.ulysses_groups,
         )
 
 
@@ -257,6 +261,26 @@ class ContextParallelAttentionTEState(ContextParallelAttention):
 
     def set_extra_state(self, state) -> None:
         pass
+
+
+def _ulysses_groups(cp_comm_type: str, cp_group, pg_collection, flag: str):
+    """``(inner, outer)`` for hierarchical CP, from Megatron's own groups, or ``None`` (the ring).
+
+    ``a2a``: Ulysses over the whole CP group (a ring of one).  ``a2a+p2p``: Megatron's
+    hierarchical CP groups (``--hierarchical-context-parallel-sizes u r``): level 1 is ``u``
+    consecutive CP ranks, level 2 every ``u``-th one, the mapping the engine uses."""
+    if cp_comm_type == "p2p":
+        return None
+    if cp_comm_type == "a2a":
+        return (cp_group, None)
+    groups = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
+    if groups is None:
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if not groups or len(groups) != 2:
+        raise ValueError(
+            f"{flag} with --cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes with two "
+            f"sizes (Ulysses group, ring), got {0 if not groups else len(groups)} levels of groups")
+    return tuple(groups)
 
 
 def _padded(params) -> bool:
