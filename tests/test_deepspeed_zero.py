@@ -59,8 +59,10 @@ def _batch(step, seed=11):
     return {"input_ids": ids, "labels": labels}
 
 
-CONFIGS = {  # name -> (zero stage, bf16, gradient accumulation steps, gradient clipping)
+CONFIGS = {  # name -> (zero stage, bf16, gradient accumulation steps, gradient clipping[, zero_optimization extras])
     "z0_fp32": (0, False, 1, 0.0),
+    "z2_fp32_allreduce": (2, False, 1, 0.0, {"reduce_scatter": False, "overlap_comm": True}),
+    "z3_fp32_allreduce": (3, False, 1, 0.0, {"reduce_scatter": False}),  # the path DeepSpeed already scales
     "z1_fp32_ga2_clip": (1, False, 2, 0.05),
     "z2_fp32_ga2": (2, False, 2, 0.0),
     "z3_fp32": (3, False, 1, 0.0),
@@ -70,11 +72,11 @@ CONFIGS = {  # name -> (zero stage, bf16, gradient accumulation steps, gradient 
 }
 
 
-def _ds_config(sp, stage, bf16, ga, clip):
+def _ds_config(sp, stage, bf16, ga, clip, zero_extra=None):
     cfg = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga,
         "gradient_clipping": clip, "steps_per_print": 10**6, "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, **(zero_extra or {})}, "zero_allow_untested_optimizer": True,
         "sequence_parallel_size": sp, "context_parallel": {"algo": "striped"},
     }
     if bf16:
