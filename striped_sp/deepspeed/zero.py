@@ -7,7 +7,8 @@ ZeRO-3's contiguous all-reduce path (``__avg_scatter_contiguous_grads``).  ZeRO-
 ``__avg_scatter_grads`` (``reduce_scatter: true``, or buckets larger than ``reduce_bucket_size``),
 calls ``reduce_scatter_coalesced``, which divides by the whole group size: the gradients come out
 ``sequence_parallel_size`` times too small (measured in deepspeed 0.19.8: exactly half at SP=2),
-and so do the logged gradient norm, clipping and any optimizer that is not scale-invariant.
+and so do the logged gradient norm, clipping and any optimizer that is not scale-invariant
+(reported upstream as deepspeedai/DeepSpeed issue 6841: SP gradients g1 + g2 expected, average seen).
 
 :func:`fix_zero3_sequence_parallel_grads` wraps that method on one optimizer instance so its
 gradient partitions are multiplied by ``sequence_parallel_size`` (a power of two in practice, so
