@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="striped-sp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run")
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier")
     modes = bench.add_subparsers(dest="mode", required=True)
 
     b = modes.add_parser("balance", help="work model: critical path over ideal per layout and N")
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force-peers", action="store_true",
                    help="run torch_ring even on a torch version it is not pinned to")
     _masks(r)
+    from .bench import hier
+
+    hier.register(modes)
     return p
 
 
@@ -385,6 +388,8 @@ def _run(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
+        if args.mode == "hier":
+            return args.run(args)
         return {"balance": _balance, "sim": _sim, "run": _run}[args.mode](args)
     return 2
 
