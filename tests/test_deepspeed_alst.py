@@ -1,6 +1,6 @@
 """Side by side with DeepSpeed's own ALST/Ulysses on 2 gloo ranks: the same tiny Llama, the same
-samples in the same order, SGD with clipping, ZeRO-1; the per-step losses and the parameters after
-the steps must agree within fp32 rounding.
+samples in the same order, SGD with clipping, ZeRO-1; the per-step losses, the gradient norms and
+the parameters after the steps must agree within fp32 rounding.
 
 ALST as DeepSpeed documents it: ``UlyssesSPAttentionHF.register_with_transformers`` (it takes over
 transformers' ``"sdpa"`` entry process-wide, hence a module of its own), the returned ``mpu`` passed
@@ -84,7 +84,7 @@ def _case_alst():
     loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(data, batch_size=1, sampler=sampler),
                                         sp_rank=dist.get_rank(group), sp_group=group, sp_world_size=WORLD,
                                         device=torch.device("cpu"))
-    losses = []
+    losses, norms = [], []
     for batch in loader:
         count = (batch["shift_labels"] != -100).sum()
         dist.all_reduce(count, group=group)
@@ -94,26 +94,29 @@ def _case_alst():
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
         losses.append(float(total))
-    _STATE["alst"] = (losses, _params(engine))
+        norms.append(float(engine.get_global_grad_norm()))
+    _STATE["alst"] = (losses, norms, _params(engine))
 
 
 def _case_striped():
     from striped_sp.deepspeed import ShardedDataLoader, initialize
 
-    alst_losses, alst_params = _STATE["alst"]
+    alst_losses, alst_norms, alst_params = _STATE["alst"]
     model = _tiny_llama()
     engine, _, _, _ = initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                  config={**_config(WORLD), "context_parallel": {"algo": "striped"}})
     # every rank of the group loads the same samples, in order; sharded after the collator
     loader = ShardedDataLoader(torch.utils.data.DataLoader(_Data(), batch_size=1), engine.context_parallel_group)
-    losses = []
+    losses, norms = [], []
     for batch in loader:
         loss = engine(**batch).loss  # the global mean on every rank
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
+        norms.append(float(engine.get_global_grad_norm()))  # before clipping: a scale error shows here
     assert len(losses) == len(alst_losses) == SAMPLES
     assert max(abs(a - b) / b for a, b in zip(losses, alst_losses)) < 1e-5, (losses, alst_losses)
+    assert max(abs(a - b) / b for a, b in zip(norms, alst_norms)) < 1e-5, (norms, alst_norms)
     assert len(set(round(x, 3) for x in losses)) > 1  # the steps differ: the samples and the weights moved
     for name, p in _params(engine).items():
         assert rel_err(p, alst_params[name]) < 1e-5, name
