@@ -70,8 +70,6 @@ _TRAIN_ARGS = [
 ]
 _STRIPED = ["--context-parallel-size", "2", "--context-parallel-algo", "striped"]
 
-# megatron-core's local DotProductAttention: what a striped run builds when our spec never got in.
-_LOCAL_ATTENTION_REFUSES_CP = "Context parallelism is only supported by TEDotProductAttention"
 
 
 def _megatron_core_release():
@@ -231,13 +229,6 @@ def test_pretrain_gpt_striped_cp2_logs_the_cp1_losses(megatron_lm, route):
     tag, root, tmp = megatron_lm
     ref = _reference(megatron_lm)
     rc, text = _run(route, tag, root, tmp)
-    if rc != 0 and route == "patched" and _LOCAL_ATTENTION_REFUSES_CP in text:
-        pytest.xfail(
-            f"patches/megatron_lm_{tag}_context_parallel_algo.patch does not reach the model: "
-            f"{tag}'s pretrain_gpt.py builds it from its config container "
-            "(megatron/training/models/gpt.py), not gpt_builders.py, so install() and "
-            "patch_layer_spec never run and megatron-core's local attention refuses CP=2"
-        )
     assert rc == 0, f"{route} route, Megatron-LM {tag}, CP=2 striped failed:\n{_tail(text)}"
     assert _arg(text, "context_parallel_algo") == "striped", _tail(text)
     assert _arg(text, "context_parallel_size") == "2" and _arg(text, "data_parallel_size") == "1"
