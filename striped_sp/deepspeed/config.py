@@ -34,6 +34,9 @@ class ContextParallelSettings:
     sequence_parallel_size: int = 1
     algo: str = "striped"
     backend: str = "auto"
+    #: hierarchical CP: a Ulysses all-to-all over heads inside groups of this many consecutive SP
+    #: ranks, the ring across them (1: the plain ring; sequence_parallel_size: pure Ulysses)
+    ulysses_size: int = 1
 
     @property
     def layout(self) -> str:
@@ -53,6 +56,8 @@ def _model_class():
     if _MODEL_CLASS is None:
         from typing import Literal
 
+        import pydantic
+
         try:
             from deepspeed.runtime.config_utils import DeepSpeedConfigModel
         except ImportError as err:  # pragma: no cover - depends on the environment
@@ -65,6 +70,7 @@ def _model_class():
 
             algo: Literal[tuple(ALGOS)] = "striped"  # type: ignore[valid-type]
             backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
+            ulysses_size: int = pydantic.Field(default=1, ge=1)
 
         _MODEL_CLASS = ContextParallelConfig
     return _MODEL_CLASS
@@ -143,4 +149,9 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
         model = _model_class()(**section)
     except pydantic.ValidationError as err:
         raise ValueError(_describe(err)) from None
-    return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend)
+    u = int(model.ulysses_size)
+    if sp % u:
+        raise ValueError(f"{SECTION}.ulysses_size={u} must divide sequence_parallel_size={sp} "
+                         "(Ulysses groups of ulysses_size ranks, a ring across them)")
+    return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
+                                   ulysses_size=u)

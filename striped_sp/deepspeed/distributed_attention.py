@@ -109,13 +109,19 @@ class DistributedAttention(torch.nn.Module):
                 stacklevel=2,
             )
         self.window_size = None
+        self.ulysses_groups = None  # (inner, outer): hierarchical CP, see configure()
         self.configure(layout=layout, backend=backend, window_size=window_size, sliding_window=sliding_window)
 
     def configure(self, layout: str | None = None, backend: str | None = None,
-                  window_size: tuple[int, int] | None = None, sliding_window: int | None = None) -> None:
-        """Set the token layout, the kernel backend and/or the window (``initialize`` sets the
-        first two from the config).  ``window_size=(left, right)``: flash-attn convention, ``-1`` =
-        unbounded; ``sliding_window=W``: transformers' convention, the same as ``(W - 1, 0)``."""
+                  window_size: tuple[int, int] | None = None, sliding_window: int | None = None,
+                  ulysses_groups=None) -> None:
+        """Set the token layout, the kernel backend, the window and/or hierarchical CP
+        (``initialize`` sets layout, backend and groups from the config).  ``window_size=(left,
+        right)``: flash-attn convention, ``-1`` = unbounded; ``sliding_window=W``: transformers'
+        convention, the same as ``(W - 1, 0)``; ``ulysses_groups``: ``(inner, outer)`` from
+        :func:`striped_sp.ulysses_ring_groups` (Ulysses inside, the ring across)."""
+        if ulysses_groups is not None:
+            self.ulysses_groups = ulysses_groups
         window = _as_window(window_size, sliding_window, self.causal)
         if window is not None:
             self.window_size = window
@@ -168,5 +174,6 @@ class DistributedAttention(torch.nn.Module):
         out = ring_attention(
             query, key, value, self.spg, layout=self.layout, causal=self.causal,
             softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=cu_seqlens, window_size=window,
+            ulysses_groups=self.ulysses_groups,
         )
         return out.transpose(0, 1) if batch_dim_idx == 1 else out

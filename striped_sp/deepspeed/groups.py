@@ -104,3 +104,18 @@ def sequence_parallel_groups(sp_size: int, mpu: Any = None) -> SequenceParallelG
         )
     dp_rank, dp_size = _data_parallel_coords(mpu, group, sp_size)
     return SequenceParallelGroups(sp_size, dist.get_rank(group), group, mpu, dp_rank, dp_size)
+
+
+def ulysses_groups(groups: SequenceParallelGroups, ulysses_size: int):
+    """``(inner, outer)`` groups for hierarchical CP over the SP groups, or ``None`` when
+    ``ulysses_size == 1``.  Collective over the whole world (every rank learns every SP group's
+    ranks with one all-gather, then builds all inner and outer groups in the same order)."""
+    if ulysses_size == 1 or groups.group is None:
+        return None
+    from ..ulysses import ulysses_ring_groups
+
+    mine = dist.get_process_group_ranks(groups.group)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    unique = sorted({tuple(r) for r in every})
+    return ulysses_ring_groups([list(r) for r in unique], ulysses_size)

@@ -48,6 +48,7 @@ class _Settings:
     layout: str
     backend: str
     check_positions: bool
+    ulysses_groups: Any = None
 
 
 _ACTIVE: _Settings | None = None
@@ -70,7 +71,7 @@ def register_hf_attention() -> str:
 
 
 def enable_hf_attention(model, group=None, layout: str = "striped", backend: str = "auto",
-                        check_positions: bool = True):
+                        check_positions: bool = True, ulysses_groups=None):
     """Make ``model`` (a transformers ``PreTrainedModel``) attend with the ring engine over ``group``.
 
     ``layout``: the core layout its inputs are sharded in (``"striped"``, ``"zigzag"``,
@@ -78,6 +79,8 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
     that ``position_ids`` are the layout's positions of this rank, or with ``cu_seq_lens_q`` the
     positions inside its documents (catches a batch that was not sharded by
     :func:`striped_sp.deepspeed.shard_batch`, or packed positions without their boundaries).
+    ``ulysses_groups``: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` for
+    hierarchical CP (Ulysses inside, the ring across); the data path does not change.
     Returns ``model``.
     """
     global _ACTIVE
@@ -94,7 +97,7 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
             f"config.attention_dropout={dropout}: the ring engine has no attention dropout; set it to 0.0"
         )
     register_hf_attention()
-    _ACTIVE = _Settings(group, layout, backend, check_positions)
+    _ACTIVE = _Settings(group, layout, backend, check_positions, ulysses_groups)
     if getattr(model, "_striped_sp_mask_hook", None) is None:
         # transformers drops the mask before the attention function for an implementation
         # without a mask function, so padding has to be caught at the model's input.
@@ -236,6 +239,6 @@ def hf_attention_forward(
     out = ring_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), settings.group,
         layout=settings.layout, causal=causal, softmax_scale=scaling, backend=settings.backend,
-        cu_seqlens=cu_seqlens, window_size=window,
+        cu_seqlens=cu_seqlens, window_size=window, ulysses_groups=settings.ulysses_groups,
     )
     return out, None

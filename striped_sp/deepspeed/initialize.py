@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .config import ContextParallelSettings, load_config, parse_config
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
-from .groups import SequenceParallelGroups, sequence_parallel_groups
+from .groups import SequenceParallelGroups, sequence_parallel_groups, ulysses_groups
 from .data import IGNORE_INDEX, ShardedDataLoader
 from .zero import check_sequence_parallel_settings, fix_zero3_sequence_parallel_grads
 
@@ -127,6 +127,7 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
     from .hf import enable_hf_attention
 
     _swap_deepspeed_attention(model, settings)
+    hierarchical = ulysses_groups(groups, settings.ulysses_size)
     ours = [m for m in model.modules() if isinstance(m, DistributedAttention)]
     for module in ours:
         if module.spg is None:
@@ -136,12 +137,12 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
                 f"a DistributedAttention's sequence_process_group has {dist.get_world_size(module.spg)} "
                 f"ranks but sequence_parallel_size={settings.sequence_parallel_size}"
             )
-        module.configure(layout=settings.layout, backend=settings.backend)
+        module.configure(layout=settings.layout, backend=settings.backend, ulysses_groups=hierarchical)
     for handle in getattr(model, "_striped_sp_hooks", []):  # adapted before: hooks once only
         handle.remove()
     handles = []
     if _is_hf_model(model):
-        enable_hf_attention(model, groups.group, settings.layout, settings.backend)
+        enable_hf_attention(model, groups.group, settings.layout, settings.backend, ulysses_groups=hierarchical)
         handles.append(model.register_forward_pre_hook(shifted_labels_pre_hook(groups.group), with_kwargs=True))
         handles.append(model.register_forward_hook(global_loss_hook(groups.group), with_kwargs=True))
         model._striped_sp_hooks = handles
