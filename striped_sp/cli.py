@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-pin", action="store_true", help="CPU: do not pin each rank to its own core(s)")
     r.add_argument("--profile", action="store_true",
                    help="also time kernel, merge and ring waits inside our layouts, per rank")
+    r.add_argument("--ulysses-sizes", type=_ints, default=[],
+                   help="also run each layout as hierarchical CP with these ulysses_size values (e.g. 2)")
     r.add_argument("--force-peers", action="store_true",
                    help="run torch_ring even on a torch version it is not pinned to")
     _masks(r)
@@ -352,7 +354,7 @@ def _run(args) -> int:
                     dtype=args.dtype, device=args.device, backend=args.backend, warmup=args.warmup,
                     iters=args.iters, threads=args.threads, profile=args.profile, pin=not args.no_pin,
                     progress=not args.no_progress, force_peers=args.force_peers, docs=args.docs,
-                    window=args.window)
+                    window=args.window, ulysses_sizes=tuple(u for u in args.ulysses_sizes if u > 1))
     load0 = _load()
     recs, notes, profile = run(cfg)
     import torch

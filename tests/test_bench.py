@@ -85,10 +85,11 @@ def test_run_smoke(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     assert main(["bench", "run", "--world-size", "2", "--seq-lens", "12", "--heads", "2",
                  "--head-dim", "8", "--warmup", "0", "--iters", "1", "--peers", "torch_ring,ulysses",
-                 "--device", "cpu", "--threads", "1", "--profile", "--no-progress",
+                 "--device", "cpu", "--threads", "1", "--profile", "--no-progress", "--ulysses-sizes", "2",
                  "--json", str(path)]) == 0
     recs = json.loads(path.read_text())
-    assert {r["impl"] for r in recs} == {"striped", "zigzag", "contiguous", "torch_ring", "ulysses"}
+    assert {r["impl"] for r in recs} == {"striped", "zigzag", "contiguous", "torch_ring", "ulysses",
+                                         "striped+u2", "zigzag+u2", "contiguous+u2"}
     for r in recs:
         assert set(r) == RUN_KEYS
         assert r["world_size"] == 2 and r["seq_len"] == 12

@@ -62,6 +62,7 @@ class RunConfig:
     timeout_s: float = 900.0
     docs: str | None = None  # packed documents (see bench.docs); zigzag pads each to a multiple of 2N
     window: int = 0  # sliding window (left); 0: none
+    ulysses_sizes: tuple = ()  # hierarchical CP: also run each layout with these ulysses_size values
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +182,10 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                         notes[(seq, lay)] = f"{work.padding_tokens} padding tokens"
                 impls[lay] = (lambda a, b, c, lay=lay, kw=mask_kw: ring_attention(
                     a, b, c, group, layout=lay, backend=cfg.backend, **kw), lay)
+                for u in cfg.ulysses_sizes:  # Ulysses over groups of u ranks, the ring across them
+                    inputs[f"{lay}+u{u}"] = inputs[lay]
+                    impls[f"{lay}+u{u}"] = (lambda a, b, c, lay=lay, kw=mask_kw, u=u: ring_attention(
+                        a, b, c, group, layout=lay, backend=cfg.backend, ulysses_size=u, **kw), lay)
             for peer in cfg.peers:
                 if cfg.docs or cfg.window:
                     notes[(seq, peer)] = "skipped: the peers take no packed documents or windows"
@@ -204,7 +209,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                     out = _fwd_bwd(fn, *inputs.get(name, (q, k, v, dout)))
                 sync(device)
             except Exception as e:  # noqa: BLE001 - a peer failing here is a skip, not a crash
-                if name in cfg.layouts:
+                if name in cfg.layouts or "+u" in name:
                     raise
                 failed += 1
                 notes[(seq, name)] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
