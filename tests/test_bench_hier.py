@@ -26,8 +26,10 @@ def test_model_limits():
 
 
 def test_cli_prints_and_writes(tmp_path, capsys):
-    path = tmp_path / "hier.json"
-    assert main(["bench", "hier", "--world-sizes", "8,16", "--tokens-per-rank", "4096", "--json", str(path)]) == 0
+    path, png = tmp_path / "hier.json", tmp_path / "hier.png"
+    assert main(["bench", "hier", "--world-sizes", "8,16", "--tokens-per-rank", "4096", "--json", str(path),
+                 "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000
     out = capsys.readouterr().out
     assert out.count("<- best") == 2 and "predicted" in out
     recs = json.loads(path.read_text())

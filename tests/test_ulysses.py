@@ -62,6 +62,15 @@ def check_bad_input(seed):
     with pytest.raises(ValueError, match="ulysses_size=4 but the inner group has 2 ranks"):
         striped_sp.ring_attention(torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16),
                                   ulysses_size=4, ulysses_groups=(inner, outer))
+    import os
+
+    os.environ["STRIPED_SP_CHECK_RANKS"] = "1"  # ranks that disagree on u all raise, nobody hangs
+    try:
+        x = torch.randn(1, 8, 4, 16)
+        with pytest.raises(ValueError, match="different arguments"):
+            striped_sp.ring_attention(x, x, x, ulysses_size=2 if dist.get_rank() == 0 else 1)
+    finally:
+        del os.environ["STRIPED_SP_CHECK_RANKS"]
     swapped = (outer, inner)  # the ring's group passed as the Ulysses one: not the mapping
     with pytest.raises(ValueError, match="do not follow the mapping"):
         striped_sp.ring_attention(torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16),

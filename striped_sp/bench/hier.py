@@ -97,7 +97,30 @@ def register(modes) -> None:
     for name in ("tflops", "intra_gbps", "inter_gbps"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: predicted time over pure ring, per split and N")
     p.set_defaults(run=_main)
+
+
+def plot(path: str, records: list[dict], title: str) -> None:
+    """PNG of every split's predicted time relative to the pure ring, against N (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ring = {r["world_size"]: r["ms"] for r in records if r["ulysses"] == 1}
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    for u in sorted({r["ulysses"] for r in records}):
+        pts = sorted((r["world_size"], r["ms"] / ring[r["world_size"]]) for r in records if r["ulysses"] == u)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"u = {u}" if u > 1 else "pure ring")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("predicted time / pure ring")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _main(args) -> int:
@@ -123,4 +146,7 @@ def _main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(recs, f, indent=1)
+    if args.plot:
+        plot(args.plot, recs, f"{cfg.heads}q/{cfg.kv_heads}kv x {cfg.head_dim}, {cfg.tokens_per_rank} tokens/rank, "
+                              f"{cfg.intra_gbps:g} / {cfg.inter_gbps:g} GB/s, nodes of {cfg.ranks_per_node} (model)")
     return 0
