@@ -13,7 +13,8 @@ from .kernels import Kernel, resolve_kernel
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
 from .ring import Ring
-from .ulysses import GroupedLayout, check_ulysses, heads_to_seq, seq_to_heads, ulysses_ring_groups
+from .ulysses import (GroupedLayout, check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads,
+                      ulysses_ring_groups)
 
 __all__ = ["ring_attention", "striped_attention", "merge_block"]
 
@@ -84,7 +85,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel,
-                mask: MaskSpec | None = None):
+                mask: MaskSpec | None = None, grad_comm_dtype: torch.dtype = torch.float32):
         ring = Ring(group)
         n, rank, local_len = ring.world_size, ring.rank, q.size(1)
         plans = _plans(layout, mask, causal, n, rank, local_len)
@@ -106,6 +107,7 @@ class _RingAttention(torch.autograd.Function):
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
+        ctx.grad_comm_dtype = grad_comm_dtype
         return out
 
     @staticmethod
@@ -143,18 +145,18 @@ class _RingAttention(torch.autograd.Function):
             if dkv_transfer is None:
                 dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
                 dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            else:
-                dk_acc, dv_acc = dkv_transfer.wait()
+            else:  # accumulate in fp32 whatever the travel dtype
+                dk_acc, dv_acc = (t.float() for t in dkv_transfer.wait())
             for kv_slice, dk_b, dv_b in block_grads:
                 dk_acc[:, kv_slice] += dk_b
                 dv_acc[:, kv_slice] += dv_b
             if n > 1:
-                dkv_transfer = ring.shift([dk_acc, dv_acc])
+                dkv_transfer = ring.shift([dk_acc.to(ctx.grad_comm_dtype), dv_acc.to(ctx.grad_comm_dtype)])
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()
         if dkv_transfer is not None:
             dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None, None
 
 
 def _plans(layout: Layout, mask: MaskSpec | None, causal: bool, n: int, rank: int, local_len: int) -> list:
@@ -256,6 +258,7 @@ def ring_attention(
     deterministic: bool = False,
     ulysses_size: int = 1,
     ulysses_groups: tuple | None = None,
+    grad_comm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -288,6 +291,11 @@ def ring_attention(
             Megatron's hierarchical CP groups; ``outer=None`` with ``inner`` = ``group``: pure
             Ulysses.
 
+        grad_comm_dtype: the dtype dK/dV travel the ring in during backward (default float32:
+            every hop adds in fp32, so the error does not grow with the ring size); bfloat16 or
+            float16 halve those bytes at the cost of one rounding per hop (docs/benchmarks.md,
+            section 8 has the measured error against N).
+
     Returns:
         ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
         belong to the local queries.  Differentiable in ``q``, ``k`` and ``v``.
@@ -309,6 +317,9 @@ def ring_attention(
         lay = get_layout(layout)
         _check_inputs(q, k, v, lay)
         kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1), deterministic=bool(deterministic))
+        comm = torch.float32 if grad_comm_dtype is None else grad_comm_dtype
+        if comm not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"grad_comm_dtype={grad_comm_dtype} must be torch.float32, torch.bfloat16 or torch.float16")
         scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
         if not scale > 0:
             raise ValueError(f"softmax_scale={softmax_scale} must be positive")
@@ -316,7 +327,7 @@ def ring_attention(
         if hierarchical:
             n = dist.get_world_size(group)
             if ulysses_groups is not None:
-                _check_ulysses_groups(group, ulysses_groups, ulysses_size)
+                check_ulysses_groups(group, ulysses_groups, ulysses_size)
             u = ulysses_size if ulysses_groups is None else ulysses_groups[0].size()
             check_ulysses(u, n, q.size(2), k.size(2))
             if ulysses_groups is None and n != dist.get_world_size():
@@ -341,35 +352,14 @@ def ring_attention(
         _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group, mask,
                                        ulysses=u if hierarchical else 1)
     if not hierarchical:
-        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask)
+        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask, comm)
     inner, outer = ulysses_groups if ulysses_groups is not None else ulysses_ring_groups(
         [dist.get_process_group_ranks(group)], u)
     if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
         k, v = (t.repeat_interleave(u // k.size(2), dim=2) for t in (k, v))
     q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
-    out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(lay, u), bool(causal), scale, kernel, mask)
+    out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(lay, u), bool(causal), scale, kernel, mask, comm)
     return heads_to_seq(out, inner, u)
-
-
-def _check_ulysses_groups(group, groups, ulysses_size: int) -> None:
-    """``(inner, outer)`` must be this rank's groups of the documented mapping over ``group``."""
-    try:
-        inner, outer = groups
-    except (TypeError, ValueError):
-        raise ValueError("ulysses_groups must be a pair (inner, outer) of process groups") from None
-    u = inner.size()
-    if ulysses_size not in (1, u):
-        raise ValueError(f"ulysses_size={ulysses_size} but the inner group has {u} ranks")
-    cp = dist.get_process_group_ranks(group)
-    m = dist.get_rank(group)
-    want_inner = cp[m // u * u:(m // u + 1) * u]
-    want_outer = cp[m % u::u]
-    got_outer = [cp[m]] if outer is None else dist.get_process_group_ranks(outer)  # None: a ring of one
-    if dist.get_process_group_ranks(inner) != want_inner or got_outer != want_outer:
-        raise ValueError(
-            f"ulysses_groups do not follow the mapping over the CP group: rank {cp[m]} needs inner ranks "
-            f"{want_inner} and outer ranks {want_outer}, got {dist.get_process_group_ranks(inner)} and "
-            f"{got_outer} (inner groups: u consecutive CP ranks; outer None only when u is the CP size)")
 
 
 def _make_mask(q, group, layout: Layout, causal: bool, cu_seqlens, window_size) -> MaskSpec | None:

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="striped-sp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier")
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision")
     modes = bench.add_subparsers(dest="mode", required=True)
 
     b = modes.add_parser("balance", help="work model: critical path over ideal per layout and N")
@@ -132,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force-peers", action="store_true",
                    help="run torch_ring even on a torch version it is not pinned to")
     _masks(r)
-    from .bench import hier
+    from .bench import hier, precision
 
     hier.register(modes)
+    precision.register(modes)
     return p
 
 
@@ -390,7 +391,7 @@ def _run(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
-        if args.mode == "hier":
+        if args.mode in ("hier", "precision"):
             return args.run(args)
         return {"balance": _balance, "sim": _sim, "run": _run}[args.mode](args)
     return 2

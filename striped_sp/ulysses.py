@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from .layouts import Layout, get_layout
 
-__all__ = ["GroupedLayout", "ulysses_ring_groups", "check_ulysses", "seq_to_heads", "heads_to_seq"]
+__all__ = ["GroupedLayout", "ulysses_ring_groups", "check_ulysses", "check_ulysses_groups", "seq_to_heads",
+           "heads_to_seq"]
 
 
 class GroupedLayout(Layout):
@@ -71,6 +72,27 @@ def check_ulysses(u: int, world_size: int, heads: int, kv_heads: int) -> None:
     if kv_heads % u and u % kv_heads:
         raise ValueError(f"kv heads ({kv_heads}) must divide by ulysses_size={u} or divide it "
                          "(then each kv head is replicated ulysses_size / kv_heads times)")
+
+
+def check_ulysses_groups(group, groups, ulysses_size: int) -> None:
+    """``(inner, outer)`` must be this rank's groups of the documented mapping over ``group``."""
+    try:
+        inner, outer = groups
+    except (TypeError, ValueError):
+        raise ValueError("ulysses_groups must be a pair (inner, outer) of process groups") from None
+    u = inner.size()
+    if ulysses_size not in (1, u):
+        raise ValueError(f"ulysses_size={ulysses_size} but the inner group has {u} ranks")
+    cp = dist.get_process_group_ranks(group)
+    m = dist.get_rank(group)
+    want_inner = cp[m // u * u:(m // u + 1) * u]
+    want_outer = cp[m % u::u]
+    got_outer = [cp[m]] if outer is None else dist.get_process_group_ranks(outer)  # None: a ring of one
+    if dist.get_process_group_ranks(inner) != want_inner or got_outer != want_outer:
+        raise ValueError(
+            f"ulysses_groups do not follow the mapping over the CP group: rank {cp[m]} needs inner ranks "
+            f"{want_inner} and outer ranks {want_outer}, got {dist.get_process_group_ranks(inner)} and "
+            f"{got_outer} (inner groups: u consecutive CP ranks; outer None only when u is the CP size)")
 
 
 _GROUPS: dict = {}
