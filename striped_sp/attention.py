@@ -285,7 +285,9 @@ def ring_attention(
         ulysses_size: ``u > 1`` runs hierarchical CP (:mod:`striped_sp.ulysses`): an all-to-all
             over heads inside groups of ``u`` consecutive ranks of ``group``, the ring across
             them.  The inputs stay sharded by ``shard(x, N, rank, layout)`` over the whole group.
-            ``u`` must divide ``N`` and ``heads``; kv heads must divide by ``u`` or divide it.
+            ``u`` must divide ``N`` and ``heads``; kv heads must divide by ``u`` or divide it.  Every
+            rank must pass the same ``u``: as for shapes, ranks that disagree are caught (a
+            ``ValueError`` on each) only with ``STRIPED_SP_CHECK_RANKS=1``; otherwise they hang.
         ulysses_groups: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` (needed
             when ``group`` is not the default group, whose groups are built on first use), or
             Megatron's hierarchical CP groups; ``outer=None`` with ``inner`` = ``group``: pure
@@ -323,6 +325,8 @@ def ring_attention(
         scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
         if not scale > 0:
             raise ValueError(f"softmax_scale={softmax_scale} must be positive")
+        if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
+            raise ValueError(f"ulysses_size={ulysses_size!r} must be a positive int")
         hierarchical = ulysses_size != 1 or ulysses_groups is not None
         if hierarchical:
             n = dist.get_world_size(group)
@@ -342,8 +346,9 @@ def ring_attention(
         else:
             mask = _make_mask(q, group, lay, bool(causal), cu_seqlens, window_size)
         if mask is not None and kernel.varlen_unavailable_reason() is not None:
-            raise ValueError(f"backend {kernel.name!r} cannot run cu_seqlens / window_size: "
-                             f"{kernel.varlen_unavailable_reason()}")
+            what = "hierarchical CP (ulysses_size > 1 runs the varlen plans)" if hierarchical else \
+                "cu_seqlens / window_size"
+            raise ValueError(f"backend {kernel.name!r} cannot run {what}: {kernel.varlen_unavailable_reason()}")
     except ValueError as e:
         if check_ranks:  # every rank learns that this one failed, instead of waiting in the ring
             _check_consistent_across_ranks(q, k, None, bool(causal), 1.0, group, error=e)

@@ -80,6 +80,12 @@ def check_ulysses_groups(group, groups, ulysses_size: int) -> None:
         inner, outer = groups
     except (TypeError, ValueError):
         raise ValueError("ulysses_groups must be a pair (inner, outer) of process groups") from None
+    for name, g in (("inner", inner), ("outer", outer)):
+        if g is None and name == "outer":
+            continue
+        if not isinstance(g, dist.ProcessGroup):
+            raise ValueError(f"ulysses_groups: the {name} group is {g!r}, not a process group this rank is "
+                             "in (build them with striped_sp.ulysses_ring_groups on every rank)")
     u = inner.size()
     if ulysses_size not in (1, u):
         raise ValueError(f"ulysses_size={ulysses_size} but the inner group has {u} ranks")
@@ -105,7 +111,10 @@ def ulysses_ring_groups(cp_ranks: list[list[int]], u: int, backend=None):
 
     Collective over the whole default group: every process calls it with the same ``cp_ranks``
     (the global ranks of every CP group, in group order) and ``u``.  Cached per arguments."""
-    key = (tuple(tuple(r) for r in cp_ranks), u)
+    if not isinstance(u, int) or isinstance(u, bool) or u < 1:
+        raise ValueError(f"ulysses_size={u!r} must be a positive int")
+    # the default group's identity too: after destroy/init_process_group the old groups are gone
+    key = (tuple(tuple(r) for r in cp_ranks), u, id(dist.group.WORLD))
     with _GROUPS_LOCK:
         if key in _GROUPS:
             return _GROUPS[key]

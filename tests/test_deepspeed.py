@@ -51,6 +51,8 @@ def test_config_from_json_file(tmp_path):
         ({"sequence_parallel_size": 4, "context_parallel": {"ulysses_size": 3}}, 4,
          ["context_parallel.ulysses_size=3", "divide sequence_parallel_size=4"]),
         ({"sequence_parallel_size": 4, "context_parallel": {"ulysses_size": 0}}, 4, ["context_parallel.ulysses_size"]),
+        ({"sequence_parallel_size": 4, "context_parallel": {"ulysses_size": "2"}}, 4, ["context_parallel.ulysses_size"]),
+        ({"sequence_parallel_size": 4, "context_parallel": {"ulysses_size": True}}, 4, ["context_parallel.ulysses_size"]),
         ({"context_parallel": ["striped"]}, None, ["context_parallel", "JSON object"]),
         ({"sequence_parallel_size": 0}, None, ["sequence_parallel_size=0", "positive integer"]),
         ({"sequence_parallel_size": "2"}, None, ["sequence_parallel_size='2'", "positive integer"]),

@@ -69,7 +69,34 @@ def _case_engine(algo):
         assert rel_err(p.detach(), dict(ref.named_parameters())[name].detach()) < 1e-5, (name, "param")
 
 
-CASES = [("setup", _setup, ()), ("hf_2x2_striped", _case_hf, ("striped",)), ("hf_2x2_zigzag", _case_hf, ("zigzag",)),
+def _case_distributed_attention():
+    """The DistributedAttention drop-in configured with Ulysses groups (as initialize does) against
+    a float64 reference, forward and gradients; configure(ulysses_groups=None) goes back to the ring."""
+    from reference import reference_attention, sharded_errors
+    from striped_sp.deepspeed import DistributedAttention
+
+    rank, seq = dist.get_rank(), 32
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(seq, 1, 4, 16, generator=gen)  # [s, b, h, d]: batch_dim_idx=1
+    k, v = (torch.randn(seq, 1, 2, 16, generator=gen) for _ in range(2))
+    dout = torch.randn(seq, 1, 4, 16, generator=gen)
+    qr, kr, vr = (t.double().transpose(0, 1).requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, True, 0.25)
+    (ref * dout.double().transpose(0, 1)).sum().backward()
+    module = DistributedAttention(None, _STATE["group"], 2, 0, softmax_scale=0.25)
+    module.configure(ulysses_groups=striped_sp.ulysses_ring_groups([list(range(SP))], U))
+    assert module.ulysses_groups[0].size() == U
+    local = [striped_sp.shard(t, SP, rank, dim=0).requires_grad_() for t in (q, k, v)]
+    out = module(*local, 1)
+    out.backward(striped_sp.shard(dout, SP, rank, dim=0))
+    sh = lambda t: striped_sp.shard(t, SP, rank, dim=1).transpose(0, 1)  # noqa: E731
+    errs = sharded_errors(out, local, ref, (qr, kr, vr), sh)
+    assert all(e < 1e-5 for e in errs.values()), errs
+    module.configure(ulysses_groups=None)
+    assert module.ulysses_groups is None
+
+
+CASES = [("setup", _setup, ()), ("distributed_attention_2x2", _case_distributed_attention, ()), ("hf_2x2_striped", _case_hf, ("striped",)), ("hf_2x2_zigzag", _case_hf, ("zigzag",)),
          ("engine_2x2_striped", _case_engine, ("striped",))]
 
 

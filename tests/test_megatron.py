@@ -58,7 +58,7 @@ def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None, cp_comm_ty
         from megatron.core import parallel_state
 
         if cp_comm_type == "a2a+p2p" and parallel_state.get_hierarchical_context_parallel_groups(False) is None:
-            return  # no einops here: Megatron cannot build its hierarchical groups
+            raise AssertionError("Megatron built no hierarchical CP groups (einops missing?)")
         common["cp_comm_type"] = cp_comm_type
     if mtp:  # Megatron divides the MTP loss by each CP rank's own token count unless per-token
         common["calculate_per_token_loss"] = True

@@ -66,6 +66,8 @@ def test_valid_settings_pass():
     (dict(cp_comm_type=["allgather"]), "--cp-comm-type p2p, a2a and a2a+p2p (got allgather)"),
     (dict(cp_comm_type=["p2p", "a2a+p2p"]), "needs --hierarchical-context-parallel-sizes U R"),
     (dict(cp_comm_type=["a2a"], num_attention_heads=6), "must divide the attention heads"),
+    (dict(cp_comm_type=["a2a"], num_attention_heads=8, group_query_attention=True, num_query_groups=3),
+     "kv heads per tensor-parallel rank (3)"),
     (dict(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[4, 1], num_attention_heads=8,
           tensor_model_parallel_size=4), "must divide the attention heads per tensor-parallel rank (8 / 4)"),
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),

@@ -71,6 +71,12 @@ def check_bad_input(seed):
             striped_sp.ring_attention(x, x, x, ulysses_size=2 if dist.get_rank() == 0 else 1)
     finally:
         del os.environ["STRIPED_SP_CHECK_RANKS"]
+    for bad in ((None, None), (7, None)):  # not process groups: ValueError, not AttributeError
+        with pytest.raises(ValueError, match="not a process group"):
+            striped_sp.ring_attention(torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16),
+                                      ulysses_groups=bad)
+    with pytest.raises(ValueError, match="ulysses_size=True must be a positive int"):
+        striped_sp.ring_attention(q, kv, kv, ulysses_size=True)
     swapped = (outer, inner)  # the ring's group passed as the Ulysses one: not the mapping
     with pytest.raises(ValueError, match="do not follow the mapping"):
         striped_sp.ring_attention(torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16),

@@ -70,7 +70,7 @@ def _model_class():
 
             algo: Literal[tuple(ALGOS)] = "striped"  # type: ignore[valid-type]
             backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
-            ulysses_size: int = pydantic.Field(default=1, ge=1)
+            ulysses_size: pydantic.StrictInt = pydantic.Field(default=1, ge=1)
 
         _MODEL_CLASS = ContextParallelConfig
     return _MODEL_CLASS

@@ -59,6 +59,9 @@ def _as_window(window_size, sliding_window, causal: bool):
     return None
 
 
+_KEEP = object()  # configure(): leave a setting as it is
+
+
 class DistributedAttention(torch.nn.Module):
     """Same constructor as DeepSpeed's: ``(local_attention, sequence_process_group, scatter_idx=2,
     gather_idx=0, sp_stream=None, num_kv_heads=None)``, plus keyword-only ``layout`` (a core layout
@@ -114,13 +117,13 @@ class DistributedAttention(torch.nn.Module):
 
     def configure(self, layout: str | None = None, backend: str | None = None,
                   window_size: tuple[int, int] | None = None, sliding_window: int | None = None,
-                  ulysses_groups=None) -> None:
+                  ulysses_groups=_KEEP) -> None:
         """Set the token layout, the kernel backend, the window and/or hierarchical CP
         (``initialize`` sets layout, backend and groups from the config).  ``window_size=(left,
         right)``: flash-attn convention, ``-1`` = unbounded; ``sliding_window=W``: transformers'
         convention, the same as ``(W - 1, 0)``; ``ulysses_groups``: ``(inner, outer)`` from
         :func:`striped_sp.ulysses_ring_groups` (Ulysses inside, the ring across)."""
-        if ulysses_groups is not None:
+        if ulysses_groups is not _KEEP:  # None: the plain ring
             self.ulysses_groups = ulysses_groups
         window = _as_window(window_size, sliding_window, self.causal)
         if window is not None:

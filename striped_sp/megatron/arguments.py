@@ -165,6 +165,7 @@ def validate_args(args) -> None:
             f"(a Ulysses group of U ranks, a ring of R; U x R = --context-parallel-size), got {hier}"
         )
     heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     for comm_type in set(comm) - {"p2p"}:
         u = cp if comm_type == "a2a" else int(hier[0])
@@ -173,6 +174,13 @@ def validate_args(args) -> None:
                 f"{flag} with --cp-comm-type {comm_type}: the Ulysses group of {u} ranks must divide the "
                 f"attention heads per tensor-parallel rank ({heads} / {tp}): change "
                 "--hierarchical-context-parallel-sizes or --num-attention-heads"
+            )
+        kv = None if groups is None else max(1, groups // tp)
+        if kv is not None and kv % u and u % kv:
+            raise ValueError(
+                f"{flag} with --cp-comm-type {comm_type}: the kv heads per tensor-parallel rank ({kv}) must "
+                f"divide by the Ulysses group of {u} ranks or divide it: change --num-query-groups or "
+                "--hierarchical-context-parallel-sizes"
             )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError(
