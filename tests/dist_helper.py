@@ -109,3 +109,12 @@ class CaseTable:
         if world not in self._results:
             self._results[world] = run_cases(world, self.cases[world])
         return self._results[world][name]
+
+
+def check_case(results: dict, name: str) -> None:
+    """Fail ``name`` with its traceback; every case fails at once when the ``setup`` case did."""
+    import pytest
+
+    if name != "setup" and results.get("setup") is not None:
+        pytest.fail(f"setup failed:\n{results['setup']}")
+    assert results[name] is None, results[name]

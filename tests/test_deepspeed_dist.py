@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_helper import run_cases
+from dist_helper import run_cases, check_case
 from reference import rel_err
 
 WORLD = 2
@@ -434,13 +434,9 @@ def results4():
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_deepspeed_case(results, name):
-    if name != "setup" and results["setup"] is not None:
-        pytest.fail(f"setup failed:\n{results['setup']}")
-    assert results[name] is None, results[name]
+    check_case(results, name)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES4])
 def test_deepspeed_case_4_ranks(results4, name):
-    if name != "setup" and results4["setup"] is not None:
-        pytest.fail(f"setup failed:\n{results4['setup']}")
-    assert results4[name] is None, results4[name]
+    check_case(results4, name)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import striped_sp
-from dist_helper import run_cases
+from dist_helper import run_cases, check_case
 from reference import rel_err
 from test_deepspeed_dist import _STATE, _batch, _ds_config, _grads, _setup, _tiny_llama
 
@@ -107,6 +107,4 @@ def results():
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_hierarchical_deepspeed_case(results, name):
-    if name != "setup" and results["setup"] is not None:
-        pytest.fail(f"setup failed:\n{results['setup']}")
-    assert results[name] is None, results[name]
+    check_case(results, name)

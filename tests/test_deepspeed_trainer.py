@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helper import run_cases
+from dist_helper import run_cases, check_case
 from reference import rel_err
 from test_deepspeed_packed import _setup as ds_setup
 
@@ -285,6 +285,4 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_trainer_case(results, name):
-    if name != "setup" and results["setup"] is not None:
-        pytest.fail(f"setup failed:\n{results['setup']}")
-    assert results[name] is None, results[name]
+    check_case(results, name)
