@@ -7,62 +7,17 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .kernels import Kernel, resolve_kernel
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
 from .ring import Ring
+from .step import (Accumulator, backward_step, forward_step, from_format, merge_block, seq_slice,
+                   strict_block_mode, to_format)
 from .ulysses import (GroupedLayout, check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads,
                       ulysses_ring_groups)
 
 __all__ = ["ring_attention", "striped_attention", "merge_block"]
-
-
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's result into the running accumulators, in place.
-
-    ``out``: float32 ``[b, s, h, d]``; ``lse``: float32 ``[b, h, s]`` (views of the accumulators
-    for the block's query rows); ``block_out`` ``[b, s, h, d]`` any float dtype; ``block_lse``
-    float32 ``[b, h, s]``.  Uses the sigmoid form of the softmax merge, which never subtracts
-    two large exponents:
-    ``out += sigmoid(lse_b - lse) * (out_b - out)``, ``lse -= logsigmoid(lse - lse_b)``.
-    """
-    weight = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
-    out.lerp_(block_out.to(out.dtype), weight)  # one pass, no temporaries
-    lse.sub_(F.logsigmoid(lse - block_lse))
-
-
-def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """:func:`merge_block` for accumulators that may still hold rows with ``lse = -inf`` (no key
-    seen yet, under a document or window mask): the new lse is a ``logaddexp``."""
-    weight = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
-    out.lerp_(block_out.to(out.dtype), weight)
-    torch.logaddexp(lse, block_lse, out=lse)
-
-
-class _Accumulator:
-    """fp32 running output ``[b, s, h, d]`` and log-sum-exp ``[b, h, s]`` of the local queries."""
-
-    def __init__(self, q: torch.Tensor, masked: bool = False):
-        self.shape = q.shape
-        self.out: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
-        if masked:
-            # Under a mask the varlen calls merge rows straight into these (logaddexp merge).
-            self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            self.lse = torch.full((q.size(0), q.size(2), q.size(1)), float("-inf"), device=q.device)
-
-    def add(self, q_slice: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-        if self.out is None:
-            # The first call is the diagonal block (source == rank), which every layout runs
-            # over all local queries; starting from it avoids -inf arithmetic.
-            if block_out.shape != self.shape:
-                raise RuntimeError("the first ring block must cover every local query")
-            self.out = block_out.float()
-            self.lse = block_lse.clone()
-            return
-        merge_block(self.out[:, q_slice], self.lse[:, :, q_slice], block_out, block_lse)
 
 
 @contextlib.contextmanager
@@ -81,44 +36,49 @@ def _settle_on_error(*transfers):
 class _RingAttention(torch.autograd.Function):
     """Forward: KV blocks go round the ring while each rank merges its queries' block results.
     Backward: the ring again; dQ stays local, fp32 dK/dV travel with the blocks and reach their
-    owner after ``world_size`` hops."""
+    owner after ``world_size`` hops.
+
+    Dense (unmasked) rings run in the kernel's :attr:`~striped_sp.kernels.Kernel.tensor_format`:
+    q, k, v are converted once here (K/V travel in it), the output and gradients once on the way
+    out.  Masked rings (varlen plans) run in ``[b, s, h, d]``."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel,
-                mask: MaskSpec | None = None, grad_comm_dtype: torch.dtype = torch.float32):
+                mask: MaskSpec | None = None, grad_comm_dtype: torch.dtype = torch.float32,
+                strict_block: str = "sliced"):
         ring = Ring(group)
         n, rank, local_len = ring.world_size, ring.rank, q.size(1)
         plans = _plans(layout, mask, causal, n, rank, local_len)
-        acc = _Accumulator(q, masked=mask is not None)
-        k_cur, v_cur = k.contiguous(), v.contiguous()
+        fmt = "bshd" if mask is not None else kernel.tensor_format
+        aligned = strict_block == "aligned"
+        qn, k_cur, v_cur = (to_format(t, fmt) for t in (q, k, v))
+        acc = Accumulator(qn, masked=mask is not None, fmt=fmt)
+        k_own, v_own = k_cur, v_cur
         for step in range(n):
             transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
             with _settle_on_error(transfer):
-                for call in plans[step]:
-                    if mask is None:
-                        block_out, block_lse = kernel.forward(
-                            q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv], call.causal, scale
-                        )
-                        acc.add(call.q, block_out, block_lse)
-                    else:
-                        kernel.forward_varlen(q, k_cur, v_cur, call.segments, scale, acc.out, acc.lse)
+                if mask is None:
+                    forward_step(kernel, qn, k_cur, v_cur, plans[step], scale, acc, aligned)
+                else:
+                    for call in plans[step]:
+                        kernel.forward_varlen(qn, k_cur, v_cur, call.segments, scale, acc.out, acc.lse)
             if transfer is not None:
                 k_cur, v_cur = transfer.wait()
         out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.save_for_backward(qn, k_own, v_own, out, acc.lse)
         ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
-        ctx.grad_comm_dtype = grad_comm_dtype
-        return out
+        ctx.grad_comm_dtype, ctx.fmt, ctx.aligned = grad_comm_dtype, fmt, aligned
+        return from_format(out, fmt)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plans, masked, scale, kernel = ctx.plans, ctx.masked, ctx.scale, ctx.kernel
+        plans, masked, scale, kernel, fmt = ctx.plans, ctx.masked, ctx.scale, ctx.kernel, ctx.fmt
         ring = Ring(ctx.group)
         n = ring.world_size
-        dout = dout.contiguous()
+        dout = to_format(dout, fmt)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        k_cur, v_cur = k.contiguous(), v.contiguous()
+        k_cur, v_cur = k, v
         dkv_transfer = None
         for step in range(n):
             kv_transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
@@ -134,29 +94,25 @@ class _RingAttention(torch.autograd.Function):
                                                    dq, dk_b, dv_b)
                         block_grads.append((slice(None), dk_b, dv_b))
                 else:
-                    for call in plans[step]:
-                        dq_b, dk_b, dv_b = kernel.backward(
-                            dout[:, call.q], q[:, call.q], k_cur[:, call.kv], v_cur[:, call.kv],
-                            out[:, call.q], lse[:, :, call.q], call.causal, scale,
-                        )
-                        dq[:, call.q] += dq_b
-                        block_grads.append((call.kv, dk_b, dv_b))
+                    block_grads = backward_step(kernel, dout, q, k_cur, v_cur, out, lse, plans[step], scale, dq,
+                                                fmt, ctx.aligned)
             # The dK/dV accumulator of this block arrives while the kernels above ran.
             if dkv_transfer is None:
                 dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
                 dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             else:  # accumulate in fp32 whatever the travel dtype
                 dk_acc, dv_acc = (t.float() for t in dkv_transfer.wait())
-            for kv_slice, dk_b, dv_b in block_grads:
-                dk_acc[:, kv_slice] += dk_b
-                dv_acc[:, kv_slice] += dv_b
+            for kv_rows, dk_b, dv_b in block_grads:
+                seq_slice(dk_acc, kv_rows, fmt).add_(dk_b)
+                seq_slice(dv_acc, kv_rows, fmt).add_(dv_b)
             if n > 1:
                 dkv_transfer = ring.shift([dk_acc.to(ctx.grad_comm_dtype), dv_acc.to(ctx.grad_comm_dtype)])
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()
         if dkv_transfer is not None:
             dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None, None
+        dq, dk, dv = (from_format(g, fmt, t.dtype) for g, t in ((dq, q), (dk_acc, k), (dv_acc, v)))
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _plans(layout: Layout, mask: MaskSpec | None, causal: bool, n: int, rank: int, local_len: int) -> list:
@@ -319,6 +275,7 @@ def ring_attention(
         lay = get_layout(layout)
         _check_inputs(q, k, v, lay)
         kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1), deterministic=bool(deterministic))
+        strict_block = strict_block_mode(kernel, q.device, q.dtype, q.size(-1))
         comm = torch.float32 if grad_comm_dtype is None else grad_comm_dtype
         if comm not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"grad_comm_dtype={grad_comm_dtype} must be torch.float32, torch.bfloat16 or torch.float16")
@@ -357,13 +314,14 @@ def ring_attention(
         _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group, mask,
                                        ulysses=u if hierarchical else 1)
     if not hierarchical:
-        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask, comm)
+        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask, comm, strict_block)
     inner, outer = ulysses_groups if ulysses_groups is not None else ulysses_ring_groups(
         [dist.get_process_group_ranks(group)], u)
     if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
         k, v = (t.repeat_interleave(u // k.size(2), dim=2) for t in (k, v))
     q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
-    out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(lay, u), bool(causal), scale, kernel, mask, comm)
+    out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(lay, u), bool(causal), scale, kernel, mask, comm,
+                               strict_block)
     return heads_to_seq(out, inner, u)
 
 

@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the single-device full causal run (efficiency left empty)")
     s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")
     s.add_argument("--plot-pass", default="fwd+bwd", choices=["forward", "backward", "fwd+bwd"])
+    s.add_argument("--strict-block", choices=["sliced", "aligned"], default=None,
+                   help="the striped strict block's form (default: the kernel's; aligned needs a bottom-right causal kernel)")
     _masks(s)
 
     r = modes.add_parser("run", help="real multi-process run with the peers")
@@ -231,12 +233,13 @@ def _sim(args) -> int:
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
                     backend=args.backend, reps=args.reps, link_gbps=args.link_gbps,
                     every_block=args.every_block, reference=not args.no_reference,
-                    progress=not args.no_progress, threads=args.threads)
+                    progress=not args.no_progress, threads=args.threads, strict_block=args.strict_block)
     load0 = _load()
     recs = simulate(cfg)
     kvh = args.kv_heads or args.heads
     print(f"sim: {device.type} ({_device_name(device)}), {dtype}, batch {args.batch}, {args.heads} heads / "
-          f"{kvh} kv heads x {args.head_dim}, link {args.link_gbps or 'inf'} GB/s; load average before/after "
+          f"{kvh} kv heads x {args.head_dim}, strict block {args.strict_block or 'default'}, link "
+          f"{args.link_gbps or 'inf'} GB/s; load average before/after "
           f"{load0} / {_load()}\n"
           + ("clock: CPU time of the one compute thread (other load on the machine does not count)\n"
              if device.type == "cpu" and args.threads == 1 else "clock: wall time, device synchronised\n") +

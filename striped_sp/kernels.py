@@ -34,34 +34,54 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _group_sum(dkv_expanded: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Sum gradients of expanded kv heads ``[b, s, kv_heads*g, d]`` back to ``[b, s, kv_heads, d]``."""
-    b, s, h, d = dkv_expanded.shape
+def _group_sum(dkv_expanded: torch.Tensor, kv_heads: int, dim: int = 2) -> torch.Tensor:
+    """Sum gradients of expanded kv heads (``kv_heads * g`` at ``dim``: 2 in ``[b, s, h, d]``,
+    1 in ``[b, h, s, d]``) back to ``kv_heads``."""
+    h = dkv_expanded.size(dim)
     if h == kv_heads:
         return dkv_expanded
-    return dkv_expanded.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+    shape = dkv_expanded.shape
+    return dkv_expanded.reshape(*shape[:dim], kv_heads, h // kv_heads, *shape[dim + 1:]).sum(dim=dim + 1)
 
 
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    if x.size(2) == heads:
+def _expand_kv(x: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
+    if x.size(dim) == heads:
         return x
-    return x.repeat_interleave(heads // x.size(2), dim=2)
+    return x.repeat_interleave(heads // x.size(dim), dim=dim)
 
 
 class Kernel:
     """Interface of a block kernel.  ``name`` is the ``backend=`` string that selects it."""
 
     name = ""
+    #: the memory format the ring hands to :meth:`forward_native` / :meth:`backward_native`:
+    #: ``"bshd"`` or ``"bhsd"`` (:mod:`striped_sp.step`)
+    tensor_format = "bshd"
+    #: the striped strict block's form unless ``$STRIPED_SP_STRICT_BLOCK`` says otherwise
+    default_strict_block = "sliced"
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
         """``None`` when the kernel runs on ``device`` with ``dtype`` (and ``head_dim``), else why not."""
         raise NotImplementedError
+
+    def causal_alignment(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str:
+        """How a non-square causal call aligns its mask: ``"top_left"`` (query ``i`` sees keys
+        ``<= i``), ``"bottom_right"`` (keys ``<= i + sk - sq``, flash-attn >= 2.1) or ``"unknown"``."""
+        return "top_left"
 
     def forward(self, q, k, v, causal: bool, scale: float):
         raise NotImplementedError
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         raise NotImplementedError
+
+    def forward_native(self, q, k, v, causal: bool, scale: float):
+        """:meth:`forward` on tensors in :attr:`tensor_format` (out in it too, lse ``[b, h, s]``)."""
+        return self.forward(q, k, v, causal, scale)
+
+    def backward_native(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        """:meth:`backward` on tensors in :attr:`tensor_format`."""
+        return self.backward(dout, q, k, v, out, lse, causal, scale)
 
     def varlen_unavailable_reason(self) -> str | None:
         """``None`` when :meth:`forward_varlen` / :meth:`backward_varlen` run, else why not."""
@@ -179,6 +199,7 @@ class TorchKernel(Kernel):
     """
 
     name = "torch"
+    tensor_format = "bhsd"  # the ops take [b, h, s, d]: the ring hands them contiguous tensors so
 
     def __init__(self, cuda_variant: str | None = None):
         self.cuda_variant = cuda_variant
@@ -206,48 +227,58 @@ class TorchKernel(Kernel):
 
     # -- CUDA op choice ------------------------------------------------------------------
     def _cuda_op(self, q) -> str:
+        return self._cuda_op_for(q.device, q.dtype, q.size(-1))
+
+    def _cuda_op_for(self, device, dtype, head_dim: int | None) -> str:
         if self.cuda_variant is not None:
             return self.cuda_variant
-        major, _ = torch.cuda.get_device_capability(q.device)
-        d = q.size(-1)
-        if q.dtype in _HALF_DTYPES and major >= 8 and d <= 256 and d % 8 == 0:
+        major, _ = torch.cuda.get_device_capability(device)
+        d_ok = head_dim is None or (head_dim <= 256 and head_dim % 8 == 0)
+        if dtype in _HALF_DTYPES and major >= 8 and d_ok:
             return "flash"
         return "efficient"
 
+    def causal_alignment(self, device, dtype, head_dim=None):
+        if device.type != "cuda":
+            return "top_left"
+        if self.cuda_variant is None and self._cuda_op_for(device, dtype, head_dim) == "flash":
+            return "bottom_right"  # PyTorch's vendored flash-attn 2 (mha_fwd)
+        return "top_left" if self.cuda_variant is None else "unknown"  # efficient: CausalFromTopLeft
+
     def forward(self, q, k, v, causal, scale):
-        if _uses_cpu_op(q):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
-            )
-            return out.transpose(1, 2), lse.float().contiguous()
-        h = q.size(2)
-        qt = q.transpose(1, 2)
-        kt = _expand_kv(k, h).transpose(1, 2)
-        vt = _expand_kv(v, h).transpose(1, 2)
-        op = self._cuda_op(q)
-        if op == "flash":
-            res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
-        elif op == "efficient":
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)
-        else:
-            res = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
-        out, lse = res[0], res[1]
-        # The efficient op pads lse to a multiple of 32 rows; cuDNN may add a trailing 1.
-        lse = lse.reshape(lse.shape[0], lse.shape[1], -1)[:, :, : q.size(1)]
-        return out.transpose(1, 2), lse.float().contiguous()
+        out, lse = self.forward_native(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
+        return out.transpose(1, 2), lse
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
+        grads = self.backward_native(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, causal, scale)
+        return tuple(g.transpose(1, 2) for g in grads)
+
+    def forward_native(self, q, k, v, causal, scale):
+        """``q`` ``[b, h, s, d]``, ``k``/``v`` ``[b, kv_heads, s_k, d]`` (any strides)."""
         if _uses_cpu_op(q):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                out.transpose(1, 2), _cpu_lse(lse, q), 0.0, causal, scale=scale,
-            )
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-        h, kvh = q.size(2), k.size(2)
-        sq, sk = q.size(1), k.size(1)
-        qt, ot, dot = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2)
-        kt = _expand_kv(k, h).transpose(1, 2)
-        vt = _expand_kv(v, h).transpose(1, 2)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return out, lse.float().contiguous()
+        h = q.size(1)
+        kt, vt = _expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)
+        op = self._cuda_op(q)
+        if op == "flash":
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q, kt, vt, 0.0, causal, False, scale=scale)
+        elif op == "efficient":
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, kt, vt, None, True, 0.0, causal, scale=scale)
+        else:
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kt, vt, None, True, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+        # The efficient op pads lse to a multiple of 32 rows; cuDNN may add a trailing 1.
+        lse = lse.reshape(lse.shape[0], lse.shape[1], -1)[:, :, : q.size(2)]
+        return out, lse.float().contiguous()
+
+    def backward_native(self, dout, q, k, v, out, lse, causal, scale):
+        if _uses_cpu_op(q):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, _cpu_lse(lse, q), 0.0, causal, scale=scale)
+        h, kvh = q.size(1), k.size(1)
+        sq, sk = q.size(2), k.size(2)
+        kt, vt = _expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)
         # Without dropout the RNG state is never read; cum_seq_q/k are undefined (None) for
         # dense, non-nested inputs, exactly as the forward op returns them.
         rng = q.new_empty(0, dtype=torch.int64)
@@ -255,22 +286,20 @@ class TorchKernel(Kernel):
         lse = lse.contiguous()
         if op == "flash":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale
+                dout, q, kt, vt, out, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale
             )
         elif op == "efficient":
             padded = -(-sq // 32) * 32
             lse_p = lse.new_zeros(lse.shape[0], lse.shape[1], padded)
             lse_p[:, :, :sq] = lse
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dot, qt, kt, vt, None, ot, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale
+                dout, q, kt, vt, None, out, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale
             )
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dot, qt, kt, vt, ot, lse.unsqueeze(-1), rng, rng, None, None, None, sq, sk, 0.0, causal, scale=scale
+                dout, q, kt, vt, out, lse.unsqueeze(-1), rng, rng, None, None, None, sq, sk, 0.0, causal, scale=scale
             )
-        dk = _group_sum(dk.transpose(1, 2), kvh)
-        dv = _group_sum(dv.transpose(1, 2), kvh)
-        return dq.transpose(1, 2), dk, dv
+        return dq, _group_sum(dk, kvh, dim=1), _group_sum(dv, kvh, dim=1)
 
     # -- masks and varlen (packed documents, sliding windows) ------------------------------
     def forward_masked(self, q, k, v, mask, scale):

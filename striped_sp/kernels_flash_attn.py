@@ -84,6 +84,10 @@ class FlashAttnKernel(Kernel):
             return f"flash-attn needs head_dim a multiple of 8 and at most 256, got {head_dim}"
         return None
 
+    def causal_alignment(self, device, dtype, head_dim=None):
+        version = _installed_version("flash_attn", "flash-attn")
+        return "top_left" if version is not None and version < (2, 1) else "bottom_right"  # changed in 2.1
+
     def forward(self, q, k, v, causal, scale):
         res = _call_with_supported_kwargs(
             self._module()._flash_attn_forward,

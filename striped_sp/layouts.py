@@ -44,12 +44,16 @@ class BlockCall:
     """One attention kernel call inside a ring block, on local token indices.
 
     ``q`` slices the local queries, ``kv`` the visiting keys/values; ``causal`` says whether
-    the call uses the (square, diagonal-kept) causal mask or attends to every key.
+    the call uses the (square, diagonal-kept) causal mask or attends to every key.  ``strict``
+    marks the striped strict block ``q[1:]`` x ``k[:-1]`` (keys strictly before the queries), which
+    kernels with a bottom-right causal mask may run as all queries x ``k[:-1]``
+    (:mod:`striped_sp.step`).
     """
 
     q: slice
     kv: slice
     causal: bool
+    strict: bool = False
 
     def q_len(self, n: int) -> int:
         return len(range(*self.q.indices(n)))
@@ -191,7 +195,7 @@ class Striped(Layout):
             return []
         # b < a: the causal kernel on q[1:] against k[:-1] (never a mask: a fully masked row
         # would come back from fused kernels with lse = 0 instead of -inf).
-        return [BlockCall(slice(1, None), slice(0, local_len - 1), True)]
+        return [BlockCall(slice(1, None), slice(0, local_len - 1), True, strict=True)]
 
 
 LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (Striped, Zigzag, Contiguous)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import merge_block_safe as _merge
+from .step import merge_block_safe as _merge
 from .masks import Segments, _ranges
 from .schedule import TILE, Batch, schedule
 

@@ -3,7 +3,8 @@
 On a machine with a GPU: ``.venv/bin/python -m pytest -q tests/test_cuda.py`` (CI has none).
 Every backend that claims the device (PyTorch's flash / memory-efficient / cuDNN ops, flash-attn
 when installed) is checked, forward and backward, with the shapes the ring produces: square
-causal blocks, the striped strict blocks (``q[1:]`` against ``k[:-1]``), dense rectangles, GQA.
+causal blocks, the striped strict blocks (``q[1:]`` against ``k[:-1]``, and the aligned form), dense
+rectangles, GQA.
 """
 
 import itertools
@@ -13,6 +14,7 @@ import torch
 
 from dist_helper import run_cases
 from reference import reference_attention, rel_err
+from ring_emulation import check_emulated
 from striped_sp.kernels import KERNELS, TorchKernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -69,6 +71,24 @@ def test_cuda_kernels_against_float64(dtype, heads, block):
         assert dk.shape == k[:, kv_rows].shape, name
         for what, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
             assert rel_err(got.cpu(), want) < TOL[dtype], f"{name} {what}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("aligned", [False, True], ids=["sliced", "aligned"])
+def test_emulated_striped_ring_on_gpu(dtype, aligned):
+    """A 4-rank striped ring through the ring's own step functions, in each kernel's tensor format
+    (``[b, h, s, d]`` for PyTorch's ops), GQA, 261-token shards; ``aligned``: the strict block as
+    all queries x ``k[:-1]`` with the kernel's bottom-right causal mask, on every kernel that
+    declares one (flash-attn, PyTorch's CUDA flash op)."""
+    dev = torch.device("cuda")
+    ran = []
+    for name, kernel in _backends(dtype, 128).items():
+        if aligned and kernel.causal_alignment(dev, dtype, 128) != "bottom_right":
+            continue
+        check_emulated(kernel, "striped", 4, (32, 8), aligned, seed=7, local=261, dtype=dtype, tol=TOL[dtype],
+                       head_dim=128, device="cuda")
+        ran.append(name)
+    assert ran, f"no CUDA backend ran for {dtype} (aligned={aligned})"
 
 
 def check_ring_on_one_gpu(layout, dtype_name):

@@ -215,28 +215,28 @@ def test_swapped_out_and_lse_is_caught(cuda_branch):
     it (the meta run the issue describes), the schema binding too (both parameters are Tensor);
     the per-argument contract rejects it (``out`` has the lse's shape [b, h, s], dtype float32)."""
     assert _caught_at(cuda_branch, TorchKernel) is None  # the real kernel passes every level
-    broken = _mutant(TorchKernel.backward, "dot, qt, kt, vt, ot, lse, None, None", "dot, qt, kt, vt, lse, ot, None, None")
+    broken = _mutant(TorchKernel.backward_native, "dout, q, kt, vt, out, lse, None, None", "dout, q, kt, vt, lse, out, None, None")
     assert _caught_at(cuda_branch, broken) == "contract"
 
 
 def test_swapped_key_and_value_is_caught_by_values_only(cuda_branch):
     """Same shapes and dtypes: only the float64 values see that ``key`` and ``value`` traded places."""
-    broken = _mutant(TorchKernel.forward, "(qt, kt, vt, 0.0, causal, False", "(qt, vt, kt, 0.0, causal, False")
+    broken = _mutant(TorchKernel.forward_native, "(q, kt, vt, 0.0, causal, False", "(q, vt, kt, 0.0, causal, False")
     assert _caught_at(cuda_branch, broken) == "values"
 
 
 def test_unpadded_efficient_lse_is_caught(cuda_branch):
     """The memory-efficient backward reads lse padded to a multiple of 32 rows (torch's meta
     forward says so); handing it the unpadded lse is a contract error."""
-    broken = _mutant(TorchKernel.backward, "vt, None, ot, lse_p, rng", "vt, None, ot, lse, rng")
+    broken = _mutant(TorchKernel.backward_native, "vt, None, out, lse_p, rng", "vt, None, out, lse, rng")
     assert _caught_at(cuda_branch, broken, "efficient") == "contract"
 
 
 def test_positional_scale_is_caught(cuda_branch):
     """``scale`` is keyword-only in every schema: passing it by position is an arity error that
     torch's parser already reports (level meta)."""
-    broken = _mutant(TorchKernel.forward, "(qt, kt, vt, 0.0, causal, False, scale=scale)",
-                     "(qt, kt, vt, 0.0, causal, False, scale)")
+    broken = _mutant(TorchKernel.forward_native, "(q, kt, vt, 0.0, causal, False, scale=scale)",
+                     "(q, kt, vt, 0.0, causal, False, scale)")
     assert _caught_at(cuda_branch, broken) == "meta"
 
 

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 
 from .. import attention as _attention
 from .. import ring as _ring
+from .. import step as _step
 from ..attention import ring_attention
 from ..kernels import Kernel, resolve_kernel
 from ..layouts import get_layout
@@ -91,6 +92,10 @@ class _Clock:
 class _TimedKernel(Kernel):
     def __init__(self, inner: Kernel, clock: _Clock):
         self.inner, self.clock, self.name = inner, clock, inner.name
+        self.tensor_format, self.default_strict_block = inner.tensor_format, inner.default_strict_block
+
+    def causal_alignment(self, *a):
+        return self.inner.causal_alignment(*a)
 
     def forward(self, *a):
         return self.clock.timed("kernel", self.inner.forward, *a)
@@ -98,11 +103,17 @@ class _TimedKernel(Kernel):
     def backward(self, *a):
         return self.clock.timed("kernel", self.inner.backward, *a)
 
+    def forward_native(self, *a):
+        return self.clock.timed("kernel", self.inner.forward_native, *a)
+
+    def backward_native(self, *a):
+        return self.clock.timed("kernel", self.inner.backward_native, *a)
+
 
 def _install_profiler(clock: _Clock):
-    merge = _attention.merge_block
+    merge = _step.merge_block
     wait = _ring.Transfer.wait
-    _attention.merge_block = lambda *a: clock.timed("merge", merge, *a)
+    _step.merge_block = lambda *a: clock.timed("merge", merge, *a)
     _ring.Transfer.wait = lambda self: clock.timed("wait", wait, self)
 
 

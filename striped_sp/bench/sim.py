@@ -22,9 +22,9 @@ import dataclasses
 
 import torch
 
-from ..attention import merge_block
 from ..kernels import resolve_kernel
 from ..layouts import get_layout
+from ..step import Accumulator, backward_step, forward_step, seq_slice, strict_block_mode, to_format
 from .common import clock_for, median, progress, time_call, time_once
 from .work import step_entries
 
@@ -52,54 +52,49 @@ class SimConfig:
     reference: bool = True  # time the single-device full causal baseline (efficiency)
     progress: bool = True
     threads: int | None = 1  # CPU threads (one simulated rank = one core); None: torch's default
+    strict_block: str | None = None  # "sliced" / "aligned" (striped strict block); None: the kernel's
 
 
 class _Inputs:
-    """Random q, k, v, dout, out, lse for ``n`` local tokens, and fresh accumulators."""
+    """Random q, k, v, dout, out, lse for ``n`` local tokens in the kernel's tensor format, and
+    fresh accumulators; each step runs :func:`striped_sp.step.forward_step` /
+    :func:`~striped_sp.step.backward_step`, as the ring does."""
 
     def __init__(self, cfg: SimConfig, n: int, gen: torch.Generator):
         kvh = cfg.kv_heads or cfg.heads
         b, h, d = cfg.batch, cfg.heads, cfg.head_dim
+        self.kernel = resolve_kernel(cfg.backend, cfg.device, cfg.dtype)
+        self.fmt = self.kernel.tensor_format
+        self.aligned = strict_block_mode(self.kernel, cfg.device, cfg.dtype, d, cfg.strict_block) == "aligned"
 
         def rnd(heads):  # drawn on the device: the reference at 256k tokens is GBs per tensor
-            return torch.randn((b, n, heads, d), generator=gen, device=cfg.device, dtype=cfg.dtype)
+            return to_format(torch.randn((b, n, heads, d), generator=gen, device=cfg.device, dtype=cfg.dtype),
+                             self.fmt)
 
         self.q, self.k, self.v, self.dout = rnd(h), rnd(kvh), rnd(kvh), rnd(h)
         self.scale = d ** -0.5
-        self.kernel = resolve_kernel(cfg.backend, cfg.device, cfg.dtype)
-        out, lse = self.kernel.forward(self.q, self.k, self.v, True, self.scale)
+        out, lse = self.kernel.forward_native(self.q, self.k, self.v, True, self.scale)
         self.out, self.lse = out, lse
-        self.acc_out = out.float().clone()
-        self.acc_lse = lse.clone()
+        self.acc = Accumulator(self.q, fmt=self.fmt)
+        self.acc.add(slice(None), out, lse)
         self.dq = torch.zeros(self.q.shape, dtype=torch.float32, device=cfg.device)
         self.dk = torch.zeros(self.k.shape, dtype=torch.float32, device=cfg.device)
         self.dv = torch.zeros(self.v.shape, dtype=torch.float32, device=cfg.device)
 
     def forward_step(self, calls, first: bool) -> None:
-        kern, scale = self.kernel, self.scale
-        for call in calls:
-            o, l = kern.forward(self.q[:, call.q], self.k[:, call.kv], self.v[:, call.kv], call.causal, scale)
-            if first:
-                # as _Accumulator.add on the first (diagonal) block: fp32 copy of out and lse
-                self._fo, self._fl = o.float(), l.clone()
-                first = False
-            else:
-                merge_block(self.acc_out[:, call.q], self.acc_lse[:, :, call.q], o, l)
+        acc = Accumulator(self.q, fmt=self.fmt) if first else self.acc  # step 0 starts from its block
+        forward_step(self.kernel, self.q, self.k, self.v, calls, self.scale, acc, self.aligned)
 
     def backward_step(self, calls) -> None:
-        kern, scale = self.kernel, self.scale
-        for call in calls:
-            dq, dk, dv = kern.backward(
-                self.dout[:, call.q], self.q[:, call.q], self.k[:, call.kv], self.v[:, call.kv],
-                self.out[:, call.q], self.lse[:, :, call.q], call.causal, scale,
-            )
-            self.dq[:, call.q] += dq
-            self.dk[:, call.kv] += dk
-            self.dv[:, call.kv] += dv
+        grads = backward_step(self.kernel, self.dout, self.q, self.k, self.v, self.out, self.lse, calls,
+                              self.scale, self.dq, self.fmt, self.aligned)
+        for rows, dk, dv in grads:
+            seq_slice(self.dk, rows, self.fmt).add_(dk)
+            seq_slice(self.dv, rows, self.fmt).add_(dv)
 
 
 def _plan_key(calls, n):
-    return tuple((c.q.indices(n), c.kv.indices(n), c.causal) for c in calls)
+    return tuple((c.q.indices(n), c.kv.indices(n), c.causal, c.strict) for c in calls)
 
 
 def _transfer_s(cfg: SimConfig, n: int, backward: bool, last_step: bool) -> float:
@@ -167,7 +162,7 @@ def _reference(cfg: SimConfig, seq_len: int, gen: torch.Generator, clock) -> dic
     from ..layouts import BlockCall
 
     full = [BlockCall(slice(None), slice(None), True)]
-    fwd = time_call(lambda: inp.kernel.forward(inp.q, inp.k, inp.v, True, inp.scale), cfg.device, cfg.reps,
+    fwd = time_call(lambda: inp.kernel.forward_native(inp.q, inp.k, inp.v, True, inp.scale), cfg.device, cfg.reps,
                     clock=clock)
     bwd = time_call(lambda: inp.backward_step(full), cfg.device, cfg.reps, clock=clock)
     del inp

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import _Accumulator
+from ..step import Accumulator as _Accumulator
 from ..kernels import resolve_kernel
 from ..layouts import get_layout
 from ..masks import block_plan, make_mask

@@ -1,0 +1,162 @@
+"""One rank's work in one ring step: the block's kernel calls and their fp32 merge, forward and
+backward, in the kernel's own tensor format.  The ring (:mod:`striped_sp.attention`) and the
+one-device simulator (:mod:`striped_sp.bench.sim`) both run these functions.
+
+Tensor formats (:attr:`striped_sp.kernels.Kernel.tensor_format`):
+
+* ``"bshd"``: ``[batch, seq, heads, head_dim]``, the public format (flash-attn's);
+* ``"bhsd"``: ``[batch, heads, seq, head_dim]``, what PyTorch's SDPA ops read fastest (the CPU
+  flash op is ~7% faster per fwd+bwd on contiguous ``bhsd`` than on a transposed ``bshd`` view).
+
+The ring converts q, k, v to the kernel's format once at entry (K/V travel in it) and the output
+and gradients back once at exit; the plans' slices stay views.  Log-sum-exps are always float32
+``[batch, heads, seq]``.
+
+The striped strict block (keys strictly before the queries, ``b < a``) has two forms:
+
+* ``"sliced"``: the square causal call ``q[1:]`` x ``k[:-1]`` (every kernel);
+* ``"aligned"``: all ``n`` queries against ``k[:-1]`` with a bottom-right aligned causal mask, so
+  the query length stays the shard length (a kernel's tile multiple); the first row sees no key
+  and is dropped from the merge (its lse set to -inf).  Only for kernels whose non-square causal
+  mask is bottom-right aligned (:attr:`~striped_sp.kernels.Kernel.causal_alignment`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["merge_block", "merge_block_safe", "Accumulator", "to_format", "from_format", "seq_slice",
+           "forward_step", "backward_step", "strict_block_mode", "STRICT_BLOCK_ENV"]
+
+STRICT_BLOCK_ENV = "STRIPED_SP_STRICT_BLOCK"
+_ALL = slice(None)
+
+
+def to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` ``[b, s, h, d]`` in ``fmt``, contiguous (a copy unless already so)."""
+    return (x if fmt == "bshd" else x.transpose(1, 2)).contiguous()
+
+
+def from_format(x: torch.Tensor, fmt: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` in ``fmt`` back to a contiguous ``[b, s, h, d]`` of ``dtype`` (one copy at most)."""
+    view = x if fmt == "bshd" else x.transpose(1, 2)
+    return view.to(dtype or x.dtype, memory_format=torch.contiguous_format)
+
+
+def seq_slice(x: torch.Tensor, rows: slice, fmt: str) -> torch.Tensor:
+    """The view of sequence rows ``rows`` of ``x`` in ``fmt``."""
+    return x[:, rows] if fmt == "bshd" else x[:, :, rows]
+
+
+def _lse_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``[b, h, s]`` per-row weights, broadcastable against an output in ``fmt``."""
+    return (w.transpose(1, 2) if fmt == "bshd" else w).unsqueeze(-1)
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                fmt: str = "bshd") -> None:
+    """Fold one block's result into the running accumulators, in place.
+
+    ``out``: float32 in ``fmt``; ``lse``: float32 ``[b, h, s]`` (views of the accumulators for the
+    block's query rows); ``block_out`` in ``fmt``, any float dtype; ``block_lse`` float32
+    ``[b, h, s]``.  Uses the sigmoid form of the softmax merge, which never subtracts two large
+    exponents: ``out += sigmoid(lse_b - lse) * (out_b - out)``, ``lse -= logsigmoid(lse - lse_b)``.
+    """
+    weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
+    out.lerp_(block_out.to(out.dtype), weight)  # one pass, no temporaries
+    lse.sub_(F.logsigmoid(lse - block_lse))
+
+
+def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                     fmt: str = "bshd") -> None:
+    """:func:`merge_block` for accumulators that may still hold rows with ``lse = -inf`` (no key
+    seen yet, under a document or window mask): the new lse is a ``logaddexp``."""
+    weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
+    out.lerp_(block_out.to(out.dtype), weight)
+    torch.logaddexp(lse, block_lse, out=lse)
+
+
+class Accumulator:
+    """fp32 running output (the shape and format of ``q``) and log-sum-exp ``[b, h, s]`` of the
+    local queries."""
+
+    def __init__(self, q: torch.Tensor, masked: bool = False, fmt: str = "bshd"):
+        self.shape, self.fmt = q.shape, fmt
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        if masked:
+            # Under a mask the varlen calls merge rows straight into these (logaddexp merge).
+            b, s, h = (q.size(0), q.size(1), q.size(2)) if fmt == "bshd" else (q.size(0), q.size(2), q.size(1))
+            self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            self.lse = torch.full((b, h, s), float("-inf"), device=q.device)
+
+    def add(self, q_rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+        if self.out is None:
+            # The first call is the diagonal block (source == rank), which every layout runs
+            # over all local queries; starting from it avoids -inf arithmetic.
+            if block_out.shape != self.shape:
+                raise RuntimeError("the first ring block must cover every local query")
+            self.out = block_out.float()
+            self.lse = block_lse.clone()
+            return
+        merge_block(seq_slice(self.out, q_rows, self.fmt), self.lse[:, :, q_rows], block_out, block_lse, self.fmt)
+
+
+def _aligned(call, aligned: bool) -> bool:
+    return aligned and getattr(call, "strict", False)
+
+
+def forward_step(kernel, q, k, v, calls, scale: float, acc: Accumulator, aligned: bool = False) -> None:
+    """Run ``calls`` (:class:`striped_sp.layouts.BlockCall`) of one ring step in ``acc.fmt``
+    (``q`` ``[b, s, h, d]`` or ``[b, h, s, d]``, ``k``/``v`` with kv heads) and merge each result
+    into ``acc``.  ``aligned``: strict calls run in the aligned form (module docstring)."""
+    fmt = acc.fmt
+    for call in calls:
+        if _aligned(call, aligned):
+            out, lse = kernel.forward_native(q, seq_slice(k, call.kv, fmt), seq_slice(v, call.kv, fmt), True, scale)
+            # the first query sees no key: flash kernels report lse +inf and out 0 or NaN for it
+            lse[:, :, 0] = float("-inf")
+            seq_slice(out, slice(0, 1), fmt).zero_()
+            acc.add(_ALL, out, lse)
+            continue
+        out, lse = kernel.forward_native(seq_slice(q, call.q, fmt), seq_slice(k, call.kv, fmt),
+                                         seq_slice(v, call.kv, fmt), call.causal, scale)
+        acc.add(call.q, out, lse)
+
+
+def backward_step(kernel, dout, q, k, v, out, lse, calls, scale: float, dq: torch.Tensor, fmt: str = "bshd",
+                  aligned: bool = False) -> list:
+    """The kernel backward of ``calls`` with the final ``out``/``lse``: adds into the float32
+    ``dq`` (in ``fmt``) and returns ``[(kv_rows, dk, dv), ...]``, this block's key gradients."""
+    grads = []
+    for call in calls:
+        rows = _ALL if _aligned(call, aligned) else call.q
+        dq_b, dk_b, dv_b = kernel.backward_native(
+            seq_slice(dout, rows, fmt), seq_slice(q, rows, fmt), seq_slice(k, call.kv, fmt),
+            seq_slice(v, call.kv, fmt), seq_slice(out, rows, fmt), lse[:, :, rows], call.causal, scale)
+        seq_slice(dq, rows, fmt).add_(dq_b)
+        grads.append((call.kv, dk_b, dv_b))
+    return grads
+
+
+def strict_block_mode(kernel, device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
+                      requested: str | None = None) -> str:
+    """``"sliced"`` or ``"aligned"``: ``requested`` (else ``$STRIPED_SP_STRICT_BLOCK``, else the
+    kernel's default).  ``ValueError`` for an unknown form, or ``"aligned"`` on a kernel whose
+    non-square causal mask is not bottom-right aligned."""
+    env = os.environ.get(STRICT_BLOCK_ENV, "")
+    mode = requested or env or kernel.default_strict_block
+    source = "requested" if requested else f"from ${STRICT_BLOCK_ENV}" if env else f"{kernel.name}'s default"
+    if mode not in ("sliced", "aligned"):
+        raise ValueError(f"strict block form {mode!r} ({source}) must be 'sliced' or 'aligned'")
+    if mode == "aligned":
+        alignment = kernel.causal_alignment(device, dtype, head_dim)
+        if alignment != "bottom_right":
+            raise ValueError(
+                f"strict block form 'aligned' ({source}) needs a kernel whose non-square causal mask is bottom-right "
+                f"aligned; backend {kernel.name!r} on {device.type} with {dtype} aligns it {alignment}: "
+                "use 'sliced'")
+    return mode
