@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot-pass", default="fwd+bwd", choices=["forward", "backward", "fwd+bwd"])
     s.add_argument("--strict-block", choices=["sliced", "aligned"], default=None,
                    help="the striped strict block's form (default: the kernel's; aligned needs a bottom-right causal kernel)")
+    s.add_argument("--tensor-format", choices=["native", "bshd"], default="native",
+                   help="native: the kernel's own memory format (as the ring); bshd: through its [b, s, h, d] API")
     _masks(s)
 
     r = modes.add_parser("run", help="real multi-process run with the peers")
@@ -148,7 +150,7 @@ def _seq_lens(args, world_sizes, default_tpr):
 
 
 def _masked_balance(args) -> int:
-    from .bench.report import format_table, write_json
+    from .bench.report import format_table, plot_balance, write_json
     from .bench.work import masked_balance_records
 
     recs = masked_balance_records(args.layouts, args.world_sizes, args.tokens_per_rank, args.docs, args.window)
@@ -161,12 +163,12 @@ def _masked_balance(args) -> int:
     if args.json:
         write_json(args.json, recs)
     if args.plot:
-        _plot_balance(args.plot, recs, masked=True)
+        plot_balance(args.plot, recs, masked=True)
     return 0
 
 
 def _balance(args) -> int:
-    from .bench.report import format_table, write_json
+    from .bench.report import format_table, plot_balance, write_json
     from .bench.work import balance_records
 
     if args.docs or args.window:
@@ -185,38 +187,8 @@ def _balance(args) -> int:
     if args.json:
         write_json(args.json, recs)
     if args.plot:
-        _plot_balance(args.plot, recs)
+        plot_balance(args.plot, recs)
     return 0
-
-
-def _plot_balance(path, recs, masked=False):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
-    style = {"striped": ("--", "x"), "zigzag": ("-", "o"), "contiguous": ("-", "s")}
-    for lay in sorted({r["layout"] for r in recs}):
-        pts = sorted((r["world_size"], r["critical_path_over_ideal"]) for r in recs if r["layout"] == lay)
-        ls, mk = style.get(lay, ("-", "o"))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, marker=mk, label=lay)
-    ns = sorted({r["world_size"] for r in recs})
-    if masked:
-        r0 = recs[0]
-        ax.set_title(f"work model: critical path / ideal, docs {r0['docs'] or 'one per row'}, "
-                     f"window {r0['window'] or 'none'}", fontsize=9)
-    else:
-        ax.plot(ns, [(2 * n - 1) / n for n in ns], ":", color="black", linewidth=0.8, label="(2N-1)/N")
-        ax.set_title("work model: critical path over ideal (striped and zigzag overlap at 1.00)", fontsize=9)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("ring size N")
-    ax.set_ylabel("critical path / ideal")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def _sim(args) -> int:
@@ -233,12 +205,14 @@ def _sim(args) -> int:
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
                     backend=args.backend, reps=args.reps, link_gbps=args.link_gbps,
                     every_block=args.every_block, reference=not args.no_reference,
-                    progress=not args.no_progress, threads=args.threads, strict_block=args.strict_block)
+                    progress=not args.no_progress, threads=args.threads, strict_block=args.strict_block,
+                    tensor_format=args.tensor_format)
     load0 = _load()
     recs = simulate(cfg)
     kvh = args.kv_heads or args.heads
     print(f"sim: {device.type} ({_device_name(device)}), {dtype}, batch {args.batch}, {args.heads} heads / "
-          f"{kvh} kv heads x {args.head_dim}, strict block {args.strict_block or 'default'}, link "
+          f"{kvh} kv heads x {args.head_dim}, strict block {args.strict_block or 'default'}, tensor format "
+          f"{args.tensor_format}, link "
           f"{args.link_gbps or 'inf'} GB/s; load average before/after "
           f"{load0} / {_load()}\n"
           + ("clock: CPU time of the one compute thread (other load on the machine does not count)\n"
@@ -262,7 +236,7 @@ def _sim(args) -> int:
 
 
 def _masked_sim(args, device, dtype) -> int:
-    from .bench.report import format_table, write_json
+    from .bench.report import format_table, plot_masked_sim, write_json
     from .bench.sim import SimConfig
     from .bench.sim_masked import simulate_masked
 
@@ -296,29 +270,8 @@ def _masked_sim(args, device, dtype) -> int:
     if args.json:
         write_json(args.json, recs)
     if args.plot:
-        _plot_masked_sim(args.plot, recs, args.plot_pass)
+        plot_masked_sim(args.plot, recs, args.plot_pass)
     return 0
-
-
-def _plot_masked_sim(path, recs, pass_name):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in recs if r["pass"] == pass_name]
-    labels = [f"{r['layout']}\nN={r['world_size']}, {r['tokens_per_rank']}/rank" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.6), dpi=90)
-    ax.bar(range(len(rows)), [r["speedup_vs_contiguous"] or 0 for r in rows],
-           color=[{"striped": "C0", "zigzag": "C1", "contiguous": "C2"}.get(r["layout"], "C3") for r in rows])
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.axhline(1.0, color="grey", linewidth=0.5)
-    ax.set_ylabel("speedup over contiguous")
-    r0 = rows[0]
-    ax.set_title(f"sim ({pass_name}): docs {r0['docs'] or 'one per row'}, window {r0['window'] or 'none'}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def _load() -> str:
@@ -392,12 +345,15 @@ def _run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        if args.mode in ("hier", "precision"):
-            return args.run(args)
-        return {"balance": _balance, "sim": _sim, "run": _run}[args.mode](args)
-    return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "bench":
+        return 2
+    handler = args.run if args.mode in ("hier", "precision") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
+    try:
+        return handler(args)
+    except ValueError as e:  # a bad setting: its message, not a traceback
+        parser.exit(2, f"striped-sp bench {args.mode}: {e}\n")
 
 
 if __name__ == "__main__":

@@ -241,9 +241,9 @@ class TorchKernel(Kernel):
     def causal_alignment(self, device, dtype, head_dim=None):
         if device.type != "cuda":
             return "top_left"
-        if self.cuda_variant is None and self._cuda_op_for(device, dtype, head_dim) == "flash":
-            return "bottom_right"  # PyTorch's vendored flash-attn 2 (mha_fwd)
-        return "top_left" if self.cuda_variant is None else "unknown"  # efficient: CausalFromTopLeft
+        # flash: PyTorch's vendored flash-attn 2 (mha_fwd); efficient: CausalFromTopLeft; cuDNN: not read
+        return {"flash": "bottom_right", "efficient": "top_left"}.get(self._cuda_op_for(device, dtype, head_dim),
+                                                                      "unknown")
 
     def forward(self, q, k, v, causal, scale):
         out, lse = self.forward_native(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)

@@ -108,8 +108,21 @@ def test_run_smoke(tmp_path, capsys, monkeypatch):
 def test_cli_rejects_bad_input(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "sim", "--world-sizes", "0"])
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(SystemExit) as exit_:  # a ValueError becomes its message and exit status 2
         main(["bench", "sim", "--world-sizes", "4", "--seq-lens", "6", "--no-progress", "--device", "cpu"])
+    assert exit_.value.code == 2 and "multiple" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "sim", "--world-sizes", "2", "--tokens-per-rank", "8", "--no-progress", "--device", "cpu",
+              "--strict-block", "aligned"])
+    assert "'aligned' (requested) needs a kernel whose non-square causal mask is bottom-right" in capsys.readouterr().err
+
+
+def test_sim_tensor_formats_agree_on_the_work(capsys):
+    """``--tensor-format bshd`` runs the same plans through the kernel's [b, s, h, d] API."""
+    for fmt in ("native", "bshd"):
+        assert main(["bench", "sim", "--world-sizes", "2", "--tokens-per-rank", "16", "--heads", "2", "--head-dim", "8",
+                     "--reps", "1", "--no-progress", "--device", "cpu", "--tensor-format", fmt]) == 0
+        assert f"tensor format {fmt}" in capsys.readouterr().out
 
 
 def test_time_call_never_counts_the_warm_up():

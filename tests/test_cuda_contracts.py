@@ -31,6 +31,7 @@ import torch
 
 import striped_sp.kernels as kernels
 from aten_contracts import AtenShim, ContractError, TorchProxy, isclose_rel
+from ring_emulation import check_emulated
 from striped_sp.kernels import FlashAttnKernel, TorchKernel
 
 SCALE = 0.125
@@ -178,6 +179,29 @@ def test_cuda_op_choice(monkeypatch):
         assert kernel._cuda_op(torch.empty(1, 2, 2, d, dtype=dtype)) == want
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_aligned_strict_block_on_the_flash_op(cuda_branch, dtype):
+    """A 3-rank striped ring (tests/ring_emulation.py) through the flash op's CUDA branch in
+    ``[b, h, s, d]``, with the strict block as all queries x ``k[:-1]`` (bottom-right causal); the
+    shim admits that non-square causal call on the flash op only and answers an empty row with
+    lse +inf, as flash-attn does."""
+    shim = cuda_branch("values")
+    kernel = TorchKernel("flash")
+    assert kernel.causal_alignment(torch.device("cuda"), dtype, 64) == "bottom_right"
+    assert TorchKernel("efficient").causal_alignment(torch.device("cuda"), dtype, 64) == "top_left"
+    check_emulated(kernel, "striped", 3, (8, 2), True, seed=3, local=N, dtype=dtype, tol=TOL[dtype] * 2,
+                   head_dim=64)
+    assert "_scaled_dot_product_flash_attention_backward" in shim.calls
+
+
+def test_aligned_call_refused_on_the_efficient_op(cuda_branch):
+    """The efficient op aligns a causal mask top-left: the contract refuses an n x n-1 causal call."""
+    cuda_branch("contract")
+    q, k, v, _ = _inputs(8, 2, 64, torch.bfloat16, seed=5)
+    with pytest.raises(ContractError, match="n x n-1 on the flash op only"):
+        TorchKernel("efficient").forward(q, k[:, :-1], v[:, :-1], True, SCALE)
+
+
 # -- the checks can fail: one argument order broken on purpose --------------------------------
 
 def _mutant(source_fn, old: str, new: str):
@@ -262,7 +286,8 @@ def _check_fa_args(b: dict, varlen: bool, version: str):
     assert isinstance(wl, int) and isinstance(wr, int)
     if not varlen:
         assert (wl, wr) == (-1, -1)
-        assert not b["causal"] or q.size(1) == k.size(1), "square causal calls"
+        # square causal calls, or the aligned strict block (n queries x n - 1 keys, bottom-right)
+        assert not b["causal"] or q.size(1) in (k.size(1), k.size(1) + 1), "square causal calls"
     else:
         assert b["causal"] == (wl < 0 and wr == 0)
         assert b["cu_seqlens_q"].dtype == torch.int32 and b["cu_seqlens_k"].dtype == torch.int32
@@ -282,6 +307,10 @@ def _fa_compute_forward(b, varlen, wl, wr):
     math = kernels.MathKernel()
     q, k, v = b["q"], b["k"], b["v"]
     if not varlen:
+        if b["causal"] and q.size(1) != k.size(1):  # bottom-right (flash-attn >= 2.1); empty rows: lse +inf
+            vis = torch.ones(q.size(1), k.size(1), dtype=torch.bool).tril(k.size(1) - q.size(1))
+            out, lse = math.forward_masked(q, k, v, vis[None, None], b["softmax_scale"])
+            return out.nan_to_num(0.0), lse.masked_fill(torch.isneginf(lse), float("inf"))
         out, lse = math.forward(q, k, v, b["causal"], b["softmax_scale"])
         return out, lse
     outs, lses = [], []
@@ -417,6 +446,19 @@ def test_flash_attn_varlen_contracts(flash_attn, version):
     assert isclose_rel(acc, want_acc) < 4e-3 and isclose_rel(lse, want_lse) < 1e-6
     for got, want in zip(grads, want_grads):
         assert isclose_rel(got, want) < 4e-3
+
+
+def test_flash_attn_aligned_strict_call(flash_attn):
+    """The aligned strict block on flash-attn: all n queries x k[:-1] with its bottom-right causal
+    mask gives the sliced call's rows 1.. and an empty row 0 (lse +inf, which the ring drops)."""
+    flash_attn("2.7")
+    q, k, v, _ = _inputs(8, 2, 64, torch.bfloat16, seed=6)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kernel = FlashAttnKernel()
+    out, lse = kernel.forward(q, k[:, :-1], v[:, :-1], True, SCALE)
+    ref_out, ref_lse = kernel.forward(q[:, 1:], k[:, :-1], v[:, :-1], True, SCALE)
+    assert torch.isposinf(lse[:, :, 0]).all()
+    assert torch.equal(lse[:, :, 1:], ref_lse) and torch.equal(out[:, 1:], ref_out)
 
 
 def test_flash_attn_out_lse_swap_is_caught(flash_attn, monkeypatch):

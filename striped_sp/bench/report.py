@@ -6,7 +6,7 @@ import json
 import math
 from typing import Sequence
 
-__all__ = ["format_table", "write_json", "plot_speedup"]
+__all__ = ["format_table", "write_json", "plot_speedup", "plot_balance", "plot_masked_sim"]
 
 
 def _cell(v) -> str:
@@ -74,6 +74,59 @@ def plot_speedup(path: str, records: list[dict], series_key: str, title: str, pa
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_balance(path: str, recs: list[dict], masked: bool = False) -> None:
+    """``bench balance``: critical path over ideal against N, per layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    style = {"striped": ("--", "x"), "zigzag": ("-", "o"), "contiguous": ("-", "s")}
+    for lay in sorted({r["layout"] for r in recs}):
+        pts = sorted((r["world_size"], r["critical_path_over_ideal"]) for r in recs if r["layout"] == lay)
+        ls, mk = style.get(lay, ("-", "o"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, marker=mk, label=lay)
+    ns = sorted({r["world_size"] for r in recs})
+    if masked:
+        r0 = recs[0]
+        ax.set_title(f"work model: critical path / ideal, docs {r0['docs'] or 'one per row'}, "
+                     f"window {r0['window'] or 'none'}", fontsize=9)
+    else:
+        ax.plot(ns, [(2 * n - 1) / n for n in ns], ":", color="black", linewidth=0.8, label="(2N-1)/N")
+        ax.set_title("work model: critical path over ideal (striped and zigzag overlap at 1.00)", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ring size N")
+    ax.set_ylabel("critical path / ideal")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_masked_sim(path: str, recs: list[dict], pass_name: str) -> None:
+    """``bench sim --docs/--window``: speedup over contiguous per layout and N, as bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in recs if r["pass"] == pass_name]
+    labels = [f"{r['layout']}\nN={r['world_size']}, {r['tokens_per_rank']}/rank" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.6), dpi=90)
+    ax.bar(range(len(rows)), [r["speedup_vs_contiguous"] or 0 for r in rows],
+           color=[{"striped": "C0", "zigzag": "C1", "contiguous": "C2"}.get(r["layout"], "C3") for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set_ylabel("speedup over contiguous")
+    r0 = rows[0]
+    ax.set_title(f"sim ({pass_name}): docs {r0['docs'] or 'one per row'}, window {r0['window'] or 'none'}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

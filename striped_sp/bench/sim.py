@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ..kernels import resolve_kernel
+from ..kernels import Kernel, resolve_kernel
 from ..layouts import get_layout
 from ..step import Accumulator, backward_step, forward_step, seq_slice, strict_block_mode, to_format
 from .common import clock_for, median, progress, time_call, time_once
@@ -53,6 +53,26 @@ class SimConfig:
     progress: bool = True
     threads: int | None = 1  # CPU threads (one simulated rank = one core); None: torch's default
     strict_block: str | None = None  # "sliced" / "aligned" (striped strict block); None: the kernel's
+    tensor_format: str = "native"  # "native": the kernel's own format; "bshd": through its [b, s, h, d] API
+
+
+class _AsBshd(Kernel):
+    """``inner`` seen through its ``[b, s, h, d]`` API (strided views into its ops), to time the
+    ring in the public format against the kernel's own one."""
+
+    tensor_format = "bshd"
+
+    def __init__(self, inner: Kernel):
+        self.inner, self.name, self.default_strict_block = inner, inner.name, inner.default_strict_block
+
+    def causal_alignment(self, *a):
+        return self.inner.causal_alignment(*a)
+
+    def forward_native(self, *a):
+        return self.inner.forward(*a)
+
+    def backward_native(self, *a):
+        return self.inner.backward(*a)
 
 
 class _Inputs:
@@ -64,6 +84,8 @@ class _Inputs:
         kvh = cfg.kv_heads or cfg.heads
         b, h, d = cfg.batch, cfg.heads, cfg.head_dim
         self.kernel = resolve_kernel(cfg.backend, cfg.device, cfg.dtype)
+        if cfg.tensor_format == "bshd" and self.kernel.tensor_format != "bshd":
+            self.kernel = _AsBshd(self.kernel)
         self.fmt = self.kernel.tensor_format
         self.aligned = strict_block_mode(self.kernel, cfg.device, cfg.dtype, d, cfg.strict_block) == "aligned"
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The speed issue's device check, one script for a 15-minute GPU lease (about 5-8 minutes on one
+# H100/H200), run from a source checkout with the machine's own CUDA torch (nothing installed):
+#
+#   bash examples/gpu_check.sh [OUT_DIR]        # OUT_DIR defaults to $OUT, else ./gpu_out
+#
+# 1. correctness: tests/test_cuda.py (every CUDA kernel against float64 on the ring's block shapes,
+#    the striped ring emulated through the ring's own step functions with the sliced and the
+#    aligned strict block) and the GQA probe of tests/test_cuda_contracts.py (do PyTorch's fused
+#    CUDA ops take fewer kv heads?);
+# 2. sim at N = 8, 32k tokens per rank, Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16:
+#    striped, zigzag, contiguous, speedup over contiguous and efficiency (% of ideal), once with the
+#    sliced strict block and once with the aligned one.
+# Record the figures in docs/benchmarks.md (section 9) with the GPU model from gpu.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-gpu_out}}
+PY=${PY:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+  $PY -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed"
+} 2>&1 | tee "$OUT/gpu.txt"
+
+$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py "tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu" \
+    -rs 2>&1 | tee "$OUT/pytest.log"
+
+SHAPE=(--device cuda --dtype bfloat16 --batch 1 --heads 32 --kv-heads 8 --head-dim 128)
+for FORM in sliced aligned; do
+    $PY -m striped_sp bench sim "${SHAPE[@]}" --world-sizes 8 --tokens-per-rank 32768 --reps 5 \
+        --strict-block "$FORM" --no-progress --json "$OUT/sim_llama8b_$FORM.json" 2>&1 | tee "$OUT/sim_llama8b_$FORM.log"
+done
