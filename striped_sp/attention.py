@@ -64,11 +64,11 @@ class _RingAttention(torch.autograd.Function):
                         kernel.forward_varlen(qn, k_cur, v_cur, call.segments, scale, acc.out, acc.lse)
             if transfer is not None:
                 k_cur, v_cur = transfer.wait()
-        out = acc.out.to(q.dtype)
+        out = from_format(acc.out, fmt, q.dtype)  # [b, s, h, d], contiguous
         ctx.save_for_backward(qn, k_own, v_own, out, acc.lse)
         ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
         ctx.grad_comm_dtype, ctx.fmt, ctx.aligned = grad_comm_dtype, fmt, aligned
-        return from_format(out, fmt)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -76,7 +76,7 @@ class _RingAttention(torch.autograd.Function):
         plans, masked, scale, kernel, fmt = ctx.plans, ctx.masked, ctx.scale, ctx.kernel, ctx.fmt
         ring = Ring(ctx.group)
         n = ring.world_size
-        dout = to_format(dout, fmt)
+        dout, out = to_format(dout, fmt), to_format(out, fmt)  # out was saved as returned (no second copy kept)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         k_cur, v_cur = k, v
         dkv_transfer = None
@@ -275,7 +275,9 @@ def ring_attention(
         lay = get_layout(layout)
         _check_inputs(q, k, v, lay)
         kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1), deterministic=bool(deterministic))
-        strict_block = strict_block_mode(kernel, q.device, q.dtype, q.size(-1))
+        strict_block = strict_block_mode(
+            kernel, q.device, q.dtype, q.size(-1), applies=lay.name == "striped" and bool(causal)
+            and cu_seqlens is None and window_size is None and ulysses_size == 1 and ulysses_groups is None)
         comm = torch.float32 if grad_comm_dtype is None else grad_comm_dtype
         if comm not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"grad_comm_dtype={grad_comm_dtype} must be torch.float32, torch.bfloat16 or torch.float16")

@@ -10,7 +10,12 @@ fewer heads (GQA/MQA: query head ``h`` uses kv head ``h // (heads // kv_heads)``
     rows, so the block's gradients are its exact share of the full attention's gradients.
     ``dq``/``dk``/``dv`` have the shapes of ``q``/``k``/``v`` (kv heads, not expanded).
 
-A causal call is always square (``seq_q == seq_k``), with the diagonal kept.
+A causal call is square (``seq_q == seq_k``, diagonal kept), except the aligned strict block
+(``n`` queries x ``n - 1`` keys) on kernels whose :meth:`Kernel.causal_alignment` is bottom-right.
+
+``forward_native`` / ``backward_native`` are the same calls on tensors in the kernel's
+:attr:`Kernel.tensor_format` (``"bshd"``, or ``"bhsd"`` = ``[batch, heads, seq, head_dim]`` for
+PyTorch's SDPA ops): the ring converts once at entry and calls these (:mod:`striped_sp.step`).
 
 Packed documents and sliding windows add two entry points (:mod:`striped_sp.varlen`):
 
@@ -104,27 +109,6 @@ class Kernel:
         varlen_backward(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
 
 
-def _uses_cpu_op(t: torch.Tensor) -> bool:
-    """Whether :class:`TorchKernel` takes its CPU op for ``t`` (else the CUDA ops).  One seam, so
-    that tests without a GPU can run the CUDA branch on CPU tensors (tests/test_cuda_contracts.py)."""
-    return t.device.type == "cpu"
-
-
-def _cpu_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The CPU op's backward wants lse in float64 for float64 inputs (float32 otherwise)."""
-    return lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
-
-
-def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
-    """0 where ``mask`` is True, -inf elsewhere, in ``dtype``; the last dim's storage padded to a
-    multiple of ``align`` (the CUDA memory-efficient op needs aligned bias rows)."""
-    lk = mask.size(-1)
-    padded = -(-lk // align) * align
-    bias = torch.zeros(*mask.shape[:-1], padded, dtype=dtype, device=mask.device)
-    bias[..., :lk].masked_fill_(~mask, float("-inf"))
-    return bias[..., :lk]
-
-
 class MathKernel(Kernel):
     """Matmul reference, computed in float32 (float64 for float64 inputs).  Runs anywhere."""
 
@@ -174,204 +158,8 @@ class MathKernel(Kernel):
         return dq.to(q.dtype), _group_sum(dk, kvh).to(k.dtype), _group_sum(dv, kvh).to(v.dtype)
 
 
-class TorchKernel(Kernel):
-    """PyTorch's fused SDPA ops, called directly so that the log-sum-exp is returned.
-
-    CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (GQA native).  CUDA: the flash op for
-    fp16/bf16 on sm80+, else the memory-efficient op; the cuDNN op with ``backend="torch_cudnn"``.
-    On CUDA, kv heads are expanded *inside* the kernel only (GQA/MQA), for every op, because
-    no torch build here can show that the private ops take fewer kv heads on a GPU:
-
-    * flash: PyTorch's vendored flash-attn ``mha_fwd``/``mha_bwd`` accept ``num_heads_k`` dividing
-      ``num_heads`` (and sum dK/dV over the group), and the newest ``sdp_utils.cpp`` admits GQA for
-      the flash backend; but older ``_scaled_dot_product_flash_attention_cuda`` (torch 2.2 era)
-      reshaped ``key`` with the *query* head count, so it depends on the release;
-    * efficient: ``_efficient_attention_forward`` has ``TORCH_CHECK(query.size(2) == key.size(2))``
-      in the releases read; only the newest ``sdp_utils.cpp`` lists GQA for it (non-ROCm);
-    * cuDNN: ``sdp_utils.cpp`` admits GQA (``requires_same_num_heads=false``) in recent releases;
-    * the meta kernels accept fewer kv heads for all three but check nothing, so they are no
-      evidence.  ``enable_gqa`` exists only on ``F.scaled_dot_product_attention``, which returns
-      no lse.
-
-    ``tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu`` runs each op unexpanded on a
-    GPU; drop the expansion per op once it passes there.  flash-attn (``backend="flash_attn"``)
-    is GQA native already.
-    """
-
-    name = "torch"
-    tensor_format = "bhsd"  # the ops take [b, h, s, d]: the ring hands them contiguous tensors so
-
-    def __init__(self, cuda_variant: str | None = None):
-        self.cuda_variant = cuda_variant
-        if cuda_variant == "cudnn":
-            self.name = "torch_cudnn"
-
-    def unavailable_reason(self, device, dtype, head_dim=None):
-        if device.type == "cpu":
-            if self.cuda_variant == "cudnn":
-                return "the cuDNN attention op needs a CUDA device"
-            if dtype not in _FLOAT_DTYPES:
-                return f"dtype {dtype} is not one of {_FLOAT_DTYPES}"
-            return None
-        if device.type == "cuda":
-            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-                return f"dtype {dtype} is not float16, bfloat16 or float32 on CUDA"
-            if self.cuda_variant == "cudnn" and dtype not in _HALF_DTYPES:
-                return f"the cuDNN attention op needs float16 or bfloat16, got {dtype}"
-            # The fused CUDA ops, called directly, do not pad head_dim as F.scaled_dot_product_attention does.
-            align = 8 if dtype in _HALF_DTYPES or self.cuda_variant == "cudnn" else 4
-            if head_dim is not None and head_dim % align != 0:
-                return f"head_dim={head_dim} must be a multiple of {align} for the fused CUDA ops with {dtype}"
-            return None
-        return f"no fused PyTorch attention op for device type '{device.type}'"
-
-    # -- CUDA op choice ------------------------------------------------------------------
-    def _cuda_op(self, q) -> str:
-        return self._cuda_op_for(q.device, q.dtype, q.size(-1))
-
-    def _cuda_op_for(self, device, dtype, head_dim: int | None) -> str:
-        if self.cuda_variant is not None:
-            return self.cuda_variant
-        major, _ = torch.cuda.get_device_capability(device)
-        d_ok = head_dim is None or (head_dim <= 256 and head_dim % 8 == 0)
-        if dtype in _HALF_DTYPES and major >= 8 and d_ok:
-            return "flash"
-        return "efficient"
-
-    def causal_alignment(self, device, dtype, head_dim=None):
-        if device.type != "cuda":
-            return "top_left"
-        # flash: PyTorch's vendored flash-attn 2 (mha_fwd); efficient: CausalFromTopLeft; cuDNN: not read
-        return {"flash": "bottom_right", "efficient": "top_left"}.get(self._cuda_op_for(device, dtype, head_dim),
-                                                                      "unknown")
-
-    def forward(self, q, k, v, causal, scale):
-        out, lse = self.forward_native(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
-        return out.transpose(1, 2), lse
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        grads = self.backward_native(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, causal, scale)
-        return tuple(g.transpose(1, 2) for g in grads)
-
-    def forward_native(self, q, k, v, causal, scale):
-        """``q`` ``[b, h, s, d]``, ``k``/``v`` ``[b, kv_heads, s_k, d]`` (any strides)."""
-        if _uses_cpu_op(q):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-            return out, lse.float().contiguous()
-        h = q.size(1)
-        kt, vt = _expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)
-        op = self._cuda_op(q)
-        if op == "flash":
-            res = torch.ops.aten._scaled_dot_product_flash_attention(q, kt, vt, 0.0, causal, False, scale=scale)
-        elif op == "efficient":
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, kt, vt, None, True, 0.0, causal, scale=scale)
-        else:
-            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kt, vt, None, True, 0.0, causal, False, scale=scale)
-        out, lse = res[0], res[1]
-        # The efficient op pads lse to a multiple of 32 rows; cuDNN may add a trailing 1.
-        lse = lse.reshape(lse.shape[0], lse.shape[1], -1)[:, :, : q.size(2)]
-        return out, lse.float().contiguous()
-
-    def backward_native(self, dout, q, k, v, out, lse, causal, scale):
-        if _uses_cpu_op(q):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, _cpu_lse(lse, q), 0.0, causal, scale=scale)
-        h, kvh = q.size(1), k.size(1)
-        sq, sk = q.size(2), k.size(2)
-        kt, vt = _expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)
-        # Without dropout the RNG state is never read; cum_seq_q/k are undefined (None) for
-        # dense, non-nested inputs, exactly as the forward op returns them.
-        rng = q.new_empty(0, dtype=torch.int64)
-        op = self._cuda_op(q)
-        lse = lse.contiguous()
-        if op == "flash":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, kt, vt, out, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale
-            )
-        elif op == "efficient":
-            padded = -(-sq // 32) * 32
-            lse_p = lse.new_zeros(lse.shape[0], lse.shape[1], padded)
-            lse_p[:, :, :sq] = lse
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, kt, vt, None, out, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale
-            )
-        else:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dout, q, kt, vt, out, lse.unsqueeze(-1), rng, rng, None, None, None, sq, sk, 0.0, causal, scale=scale
-            )
-        return dq, _group_sum(dk, kvh, dim=1), _group_sum(dv, kvh, dim=1)
-
-    # -- masks and varlen (packed documents, sliding windows) ------------------------------
-    def forward_masked(self, q, k, v, mask, scale):
-        if _uses_cpu_op(q):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
-                attn_mask=_additive_mask(mask, q.dtype), scale=scale,
-            )
-            return out.transpose(1, 2), lse.float().contiguous()
-        h = q.size(2)
-        bias = _additive_mask(mask, q.dtype, align=16).expand(q.size(0), h, q.size(1), k.size(1))
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2), _expand_kv(v, h).transpose(1, 2),
-            bias, True, 0.0, False, scale=scale)
-        return res[0].transpose(1, 2), res[1][:, :, : q.size(1)].float().contiguous()
-
-    def backward_masked(self, dout, q, k, v, out, lse, mask, scale):
-        if _uses_cpu_op(q):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                out.transpose(1, 2), _cpu_lse(lse, q), 0.0, False,
-                attn_mask=_additive_mask(mask, q.dtype), scale=scale,
-            )
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-        h, kvh, sq = q.size(2), k.size(2), q.size(1)
-        bias = _additive_mask(mask, q.dtype, align=16).expand(q.size(0), h, sq, k.size(1))
-        lse_p = lse.new_zeros(lse.shape[0], lse.shape[1], -(-sq // 32) * 32)
-        lse_p[:, :, :sq] = lse
-        rng = q.new_empty(0, dtype=torch.int64)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout.transpose(1, 2), q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2),
-            _expand_kv(v, h).transpose(1, 2), bias, out.transpose(1, 2), lse_p, rng, rng, 0.0,
-            [True, True, True, False], False, scale=scale)
-        return dq.transpose(1, 2), _group_sum(dk.transpose(1, 2), kvh), _group_sum(dv.transpose(1, 2), kvh)
-
-    def _native_varlen(self, q) -> bool:
-        return q.device.type == "cuda" and self.cuda_variant is None and self._cuda_op(q) == "flash"
-
-    def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
-        if not self._native_varlen(q):
-            return super().forward_varlen(q, k, v, segments, scale, acc_out, acc_lse)
-        from .varlen import native_varlen_forward
-
-        h = q.size(2)
-
-        def call(qg, kg, vg, cu_q, cu_k, mq, mk, wl, wr):
-            res = torch.ops.aten._flash_attention_forward(
-                qg, _expand_kv(kg.unsqueeze(0), h)[0], _expand_kv(vg.unsqueeze(0), h)[0], cu_q, cu_k, mq, mk,
-                0.0, wl < 0 and wr == 0, False, scale=scale, window_size_left=wl, window_size_right=wr)
-            return res[0], res[1]
-
-        native_varlen_forward(call, q, k, v, segments, acc_out, acc_lse)
-
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
-        if not self._native_varlen(q):
-            return super().backward_varlen(dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
-        from .varlen import native_varlen_backward
-
-        h, kvh = q.size(2), k.size(2)
-
-        def call(dog, qg, kg, vg, og, lg, cu_q, cu_k, mq, mk, wl, wr):
-            rng = qg.new_empty(0, dtype=torch.int64)
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(
-                dog, qg, _expand_kv(kg.unsqueeze(0), h)[0], _expand_kv(vg.unsqueeze(0), h)[0], og, lg,
-                cu_q, cu_k, mq, mk, 0.0, wl < 0 and wr == 0, rng, rng, scale=scale,
-                window_size_left=wl, window_size_right=wr)
-            return dq, _group_sum(dk.unsqueeze(0), kvh)[0], _group_sum(dv.unsqueeze(0), kvh)[0]
-
-        native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
-
-
-from .kernels_flash_attn import FlashAttnKernel  # noqa: E402  (it subclasses Kernel)
+from .kernels_flash_attn import FlashAttnKernel  # noqa: E402  (these subclass Kernel)
+from .kernels_torch import TorchKernel  # noqa: E402
 
 KERNELS: dict[str, Kernel] = {
     k.name: k for k in (TorchKernel(), TorchKernel("cudnn"), FlashAttnKernel(), MathKernel())

@@ -86,7 +86,9 @@ class FlashAttnKernel(Kernel):
 
     def causal_alignment(self, device, dtype, head_dim=None):
         version = _installed_version("flash_attn", "flash-attn")
-        return "top_left" if version is not None and version < (2, 1) else "bottom_right"  # changed in 2.1
+        if version is None:
+            return "unknown"
+        return "top_left" if version < (2, 1) else "bottom_right"  # changed in 2.1
 
     def forward(self, q, k, v, causal, scale):
         res = _call_with_supported_kwargs(

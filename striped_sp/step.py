@@ -41,9 +41,13 @@ def to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def from_format(x: torch.Tensor, fmt: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x`` in ``fmt`` back to a contiguous ``[b, s, h, d]`` of ``dtype`` (one copy at most)."""
-    view = x if fmt == "bshd" else x.transpose(1, 2)
-    return view.to(dtype or x.dtype, memory_format=torch.contiguous_format)
+    """``x`` in ``fmt`` back to a contiguous ``[b, s, h, d]`` of ``dtype`` (one copy at most:
+    none for a contiguous ``bshd`` tensor of that dtype)."""
+    dtype = dtype or x.dtype
+    if fmt == "bshd":
+        return x.to(dtype).contiguous()
+    view = x.transpose(1, 2)
+    return torch.empty(view.shape, dtype=dtype, device=x.device).copy_(view)
 
 
 def seq_slice(x: torch.Tensor, rows: slice, fmt: str) -> torch.Tensor:
@@ -143,15 +147,18 @@ def backward_step(kernel, dout, q, k, v, out, lse, calls, scale: float, dq: torc
 
 
 def strict_block_mode(kernel, device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
-                      requested: str | None = None) -> str:
+                      requested: str | None = None, applies: bool = True) -> str:
     """``"sliced"`` or ``"aligned"``: ``requested`` (else ``$STRIPED_SP_STRICT_BLOCK``, else the
     kernel's default).  ``ValueError`` for an unknown form, or ``"aligned"`` on a kernel whose
-    non-square causal mask is not bottom-right aligned."""
+    non-square causal mask is not bottom-right aligned.  ``applies=False`` (a ring with no strict
+    block: not striped, not causal, or masked): the form is checked by name only."""
     env = os.environ.get(STRICT_BLOCK_ENV, "")
     mode = requested or env or kernel.default_strict_block
     source = "requested" if requested else f"from ${STRICT_BLOCK_ENV}" if env else f"{kernel.name}'s default"
     if mode not in ("sliced", "aligned"):
         raise ValueError(f"strict block form {mode!r} ({source}) must be 'sliced' or 'aligned'")
+    if mode == "aligned" and not applies:
+        return "sliced"
     if mode == "aligned":
         alignment = kernel.causal_alignment(device, dtype, head_dim)
         if alignment != "bottom_right":

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import striped_sp.kernels as kernels
+import striped_sp.kernels_torch as kernels_torch
 from aten_contracts import AtenShim, ContractError, TorchProxy, isclose_rel
 from ring_emulation import check_emulated
 from striped_sp.kernels import FlashAttnKernel, TorchKernel
@@ -79,8 +80,8 @@ def cuda_branch(monkeypatch):
 
     def install(level="values"):
         shim = AtenShim(level, SCALE)
-        monkeypatch.setattr(kernels, "torch", TorchProxy(shim))
-        monkeypatch.setattr(kernels, "_uses_cpu_op", lambda t: False)
+        monkeypatch.setattr(kernels_torch, "torch", TorchProxy(shim))
+        monkeypatch.setattr(kernels_torch, "_uses_cpu_op", lambda t: False)
         return shim
 
     return install
@@ -209,7 +210,7 @@ def _mutant(source_fn, old: str, new: str):
     src = textwrap.dedent(inspect.getsource(source_fn))
     assert src.count(old) == 1, f"mutation site {old!r} not found once in {source_fn.__qualname__}"
     ns = {}
-    exec(compile(src.replace(old, new), "<mutant>", "exec"), vars(kernels), ns)
+    exec(compile(src.replace(old, new), "<mutant>", "exec"), vars(kernels_torch), ns)
     return type("MutantTorchKernel", (TorchKernel,), {source_fn.__name__: ns[source_fn.__name__]})
 
 

@@ -52,8 +52,10 @@ def check_against_reference(n, layout, causal, heads, dtype_name, seed, local_le
     out = striped_sp.ring_attention(*args, group, layout=layout, causal=causal,
                                     softmax_scale=softmax_scale, backend=backend)
     assert out.dtype == dtype and out.shape == ql.shape
+    assert out.is_contiguous()  # [b, s, h, d] whatever format the kernel ran in: callers .view() it
     (out * sh(dout)).sum().backward()
     assert kl.grad.shape == kl.shape  # kv heads are never expanded
+    assert ql.grad.is_contiguous() and kl.grad.is_contiguous() and vl.grad.is_contiguous()
     errs = {
         "out": rel_err(out, sh(ref)),
         "dq": rel_err(ql.grad, sh(qr.grad)),
@@ -72,6 +74,31 @@ def check_striped_attention_alias(n, seed):
     a = striped_sp.striped_attention(sh(q), sh(k), sh(v), group)
     b = striped_sp.ring_attention(sh(q), sh(k), sh(v), group, layout="striped")
     assert torch.equal(a, b)
+
+
+def check_strict_block_setting(n, seed):
+    """``STRIPED_SP_STRICT_BLOCK=aligned`` on the CPU op (top-left): a striped causal ring refuses
+    it on every rank before any message; rings with no strict block ignore it."""
+    import os
+
+    from striped_sp.step import STRICT_BLOCK_ENV
+
+    group, rank = _cp_group(n)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=gen) for _ in range(3))
+    os.environ[STRICT_BLOCK_ENV] = "aligned"
+    try:
+        try:
+            striped_sp.ring_attention(q, k, v, group, layout="striped")
+        except ValueError as e:
+            assert "'aligned' (from $STRIPED_SP_STRICT_BLOCK) needs a kernel" in str(e), e
+        else:
+            raise AssertionError("aligned on a top-left kernel was not refused")
+        for layout, causal in (("zigzag", True), ("contiguous", True), ("striped", False)):
+            striped_sp.ring_attention(q, k, v, group, layout=layout, causal=causal)
+        striped_sp.ring_attention(q, k, v, group, layout="striped", window_size=(3, 0))
+    finally:
+        del os.environ[STRICT_BLOCK_ENV]
 
 
 def _cases(world):
@@ -93,6 +120,7 @@ def _cases(world):
         cases.append((f"N{n}-striped-seq-first", check_against_reference,
                       (n, "striped", True, "gqa", "bfloat16", SEED + 6, 9, "auto", None, 3, 16, True)))
         cases.append((f"N{n}-alias", check_striped_attention_alias, (n, SEED + 5)))
+        cases.append((f"N{n}-strict-block-setting", check_strict_block_setting, (n, SEED + 7)))
     return cases
 
 

@@ -269,8 +269,10 @@ def _profiled_step(q, k, v, dout, group, layout, kernel, clock):
     for t in (q, k, v):
         t.grad = None
     timed = _TimedKernel(kernel, clock)
+    strict = _step.strict_block_mode(kernel, q.device, q.dtype, q.size(-1), applies=layout == "striped")
     t0 = time.perf_counter()
-    out = _attention._RingAttention.apply(q, k, v, group, get_layout(layout), True, q.size(-1) ** -0.5, timed)
+    out = _attention._RingAttention.apply(q, k, v, group, get_layout(layout), True, q.size(-1) ** -0.5, timed,
+                                          None, torch.float32, strict)
     sync(clock.device)
     clock.t["fwd_total"] = time.perf_counter() - t0
     clock.phase = "bwd"
