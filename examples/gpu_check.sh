@@ -10,7 +10,8 @@
 #    CUDA ops take fewer kv heads?);
 # 2. sim at N = 8, 32k tokens per rank, Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16:
 #    striped, zigzag, contiguous, speedup over contiguous and efficiency (% of ideal), once with the
-#    sliced strict block and once with the aligned one.
+#    sliced strict block, once with the aligned one, and once with PyTorch's ops fed strided
+#    [b, s, h, d] views instead of contiguous [b, h, s, d] (--tensor-format bshd).
 # Record the figures in docs/benchmarks.md (section 9) with the GPU model from gpu.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +28,13 @@ mkdir -p "$OUT"
 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py "tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu" \
     -rs 2>&1 | tee "$OUT/pytest.log"
 
-SHAPE=(--device cuda --dtype bfloat16 --batch 1 --heads 32 --kv-heads 8 --head-dim 128)
-for FORM in sliced aligned; do
-    $PY -m striped_sp bench sim "${SHAPE[@]}" --world-sizes 8 --tokens-per-rank 32768 --reps 5 \
-        --strict-block "$FORM" --no-progress --json "$OUT/sim_llama8b_$FORM.json" 2>&1 | tee "$OUT/sim_llama8b_$FORM.log"
-done
+SHAPE=(--device cuda --dtype bfloat16 --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --world-sizes 8
+       --tokens-per-rank 32768 --reps 5 --no-progress)
+# the sliced run also times the one-device reference (efficiency = % of ideal), the others reuse it
+$PY -m striped_sp bench sim "${SHAPE[@]}" --strict-block sliced \
+    --json "$OUT/sim_llama8b_sliced.json" 2>&1 | tee "$OUT/sim_llama8b_sliced.log"
+$PY -m striped_sp bench sim "${SHAPE[@]}" --strict-block aligned --no-reference \
+    --json "$OUT/sim_llama8b_aligned.json" 2>&1 | tee "$OUT/sim_llama8b_aligned.log"
+# PyTorch's ops in [b, h, s, d] (the ring's choice) against strided [b, s, h, d] views
+$PY -m striped_sp bench sim "${SHAPE[@]}" --strict-block sliced --tensor-format bshd --no-reference \
+    --json "$OUT/sim_llama8b_bshd.json" 2>&1 | tee "$OUT/sim_llama8b_bshd.log"
