@@ -5,8 +5,9 @@ one-device simulator (:mod:`striped_sp.bench.sim`) both run these functions.
 Tensor formats (:attr:`striped_sp.kernels.Kernel.tensor_format`):
 
 * ``"bshd"``: ``[batch, seq, heads, head_dim]``, the public format (flash-attn's);
-* ``"bhsd"``: ``[batch, heads, seq, head_dim]``, what PyTorch's SDPA ops read fastest (the CPU
-  flash op is ~7% faster per fwd+bwd on contiguous ``bhsd`` than on a transposed ``bshd`` view).
+* ``"bhsd"``: ``[batch, heads, seq, head_dim]``, what PyTorch's SDPA ops take (the CPU flash op
+  runs a 4096-token causal block 10-12% faster on contiguous ``bhsd`` than on a transposed
+  ``bshd`` view; docs/benchmarks.md, section 9).
 
 The ring converts q, k, v to the kernel's format once at entry (K/V travel in it) and the output
 and gradients back once at exit; the plans' slices stay views.  Log-sum-exps are always float32
