@@ -8,6 +8,7 @@
 #    the striped ring emulated through the ring's own step functions with the sliced and the
 #    aligned strict block) and the GQA probe of tests/test_cuda_contracts.py (do PyTorch's fused
 #    CUDA ops take fewer kv heads?);
+#    The GQA probe's verdict per PyTorch op (gqa_probe.txt).
 # 2. sim at N = 8, 32k tokens per rank, Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16:
 #    striped, zigzag, contiguous, speedup over contiguous and efficiency (% of ideal), once with the
 #    sliced strict block, once with the aligned one, and once with PyTorch's ops fed strided
@@ -27,6 +28,16 @@ mkdir -p "$OUT"
 
 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py "tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu" \
     -rs 2>&1 | tee "$OUT/pytest.log"
+
+# which of PyTorch's CUDA ops take GQA kv heads unexpanded (TorchKernel's one-time probe)
+$PY - <<'PYEOF' 2>&1 | tee "$OUT/gqa_probe.txt"
+import torch
+from striped_sp.kernels_torch import TorchKernel
+q = torch.empty(1, 32, 8, 128, device="cuda", dtype=torch.bfloat16)
+k = torch.empty(1, 8, 8, 128, device="cuda", dtype=torch.bfloat16)
+for op in ("flash", "efficient", "cudnn"):
+    print(f"GQA probe, torch {torch.__version__}, {op} op, bf16, head_dim 128: native={TorchKernel(op)._gqa_native(op, q, k)}")
+PYEOF
 
 SHAPE=(--device cuda --dtype bfloat16 --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --world-sizes 8
        --tokens-per-rank 32768 --reps 5 --no-progress)

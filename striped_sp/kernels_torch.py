@@ -9,11 +9,16 @@ over the same calls.  Packed documents and windows (``forward_varlen`` ...) stay
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .kernels import _FLOAT_DTYPES, _HALF_DTYPES, Kernel, _expand_kv, _group_sum
 
-__all__ = ["TorchKernel"]
+__all__ = ["TorchKernel", "GQA_NATIVE_ENV"]
+
+GQA_NATIVE_ENV = "STRIPED_SP_GQA_NATIVE"
+_GQA_NATIVE: dict = {}  # (op, device, dtype, head_dim) -> the op takes fewer kv heads as they are
 
 
 def _uses_cpu_op(t: torch.Tensor) -> bool:
@@ -42,8 +47,9 @@ class TorchKernel(Kernel):
 
     CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (GQA native).  CUDA: the flash op for
     fp16/bf16 on sm80+, else the memory-efficient op; the cuDNN op with ``backend="torch_cudnn"``.
-    On CUDA, kv heads are expanded *inside* the kernel only (GQA/MQA), for every op, because
-    no torch build here can show that the private ops take fewer kv heads on a GPU:
+    On CUDA, GQA/MQA kv heads go to an op unexpanded only where a one-time probe on the device
+    shows that the op takes them (:meth:`_gqa_native`); elsewhere they are expanded *inside* the
+    kernel (never on the ring).  What the sources say, which is why it is probed rather than assumed:
 
     * flash: PyTorch's vendored flash-attn ``mha_fwd``/``mha_bwd`` accept ``num_heads_k`` dividing
       ``num_heads`` (and sum dK/dV over the group), and the newest ``sdp_utils.cpp`` admits GQA for
@@ -56,9 +62,9 @@ class TorchKernel(Kernel):
       evidence.  ``enable_gqa`` exists only on ``F.scaled_dot_product_attention``, which returns
       no lse.
 
-    ``tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu`` runs each op unexpanded on a
-    GPU; drop the expansion per op once it passes there.  flash-attn (``backend="flash_attn"``)
-    is GQA native already.
+    ``tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu`` reports what each op does on a
+    GPU.  The masked and varlen calls keep expanding.  flash-attn (``backend="flash_attn"``) is
+    GQA native already.
     """
 
     name = "torch"
@@ -123,9 +129,19 @@ class TorchKernel(Kernel):
         if _uses_cpu_op(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             return out, lse.float().contiguous()
-        h = q.size(1)
-        kt, vt = _expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)
         op = self._cuda_op(q)
+        return self._cuda_forward(op, q, k, v, causal, scale, expand=not self._gqa_native(op, q, k))
+
+    def backward_native(self, dout, q, k, v, out, lse, causal, scale):
+        if _uses_cpu_op(q):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, _cpu_lse(lse, q), 0.0, causal, scale=scale)
+        op = self._cuda_op(q)
+        return self._cuda_backward(op, dout, q, k, v, out, lse, causal, scale, expand=not self._gqa_native(op, q, k))
+
+    def _cuda_forward(self, op, q, k, v, causal, scale, expand: bool):
+        h = q.size(1)
+        kt, vt = (_expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)) if expand else (k, v)
         if op == "flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(q, kt, vt, 0.0, causal, False, scale=scale)
         elif op == "efficient":
@@ -137,17 +153,13 @@ class TorchKernel(Kernel):
         lse = lse.reshape(lse.shape[0], lse.shape[1], -1)[:, :, : q.size(2)]
         return out, lse.float().contiguous()
 
-    def backward_native(self, dout, q, k, v, out, lse, causal, scale):
-        if _uses_cpu_op(q):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, _cpu_lse(lse, q), 0.0, causal, scale=scale)
+    def _cuda_backward(self, op, dout, q, k, v, out, lse, causal, scale, expand: bool):
         h, kvh = q.size(1), k.size(1)
         sq, sk = q.size(2), k.size(2)
-        kt, vt = _expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)
+        kt, vt = (_expand_kv(k, h, dim=1), _expand_kv(v, h, dim=1)) if expand else (k, v)
         # Without dropout the RNG state is never read; cum_seq_q/k are undefined (None) for
         # dense, non-nested inputs, exactly as the forward op returns them.
         rng = q.new_empty(0, dtype=torch.int64)
-        op = self._cuda_op(q)
         lse = lse.contiguous()
         if op == "flash":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -165,6 +177,45 @@ class TorchKernel(Kernel):
                 dout, q, kt, vt, out, lse.unsqueeze(-1), rng, rng, None, None, None, sq, sk, 0.0, causal, scale=scale
             )
         return dq, _group_sum(dk, kvh, dim=1), _group_sum(dv, kvh, dim=1)
+
+    # -- GQA without expanding kv heads, where the op takes it -------------------------------
+    def _gqa_native(self, op: str, q, k) -> bool:
+        """Whether CUDA op ``op`` gets ``k``/``v`` with fewer heads than ``q`` as they are.
+
+        Decided once per (op, device, dtype, head_dim) and cached: the op runs a small causal
+        block, forward and backward, with the kv heads expanded and as they are, and it counts as
+        GQA-native only if both agree (a refusal or any difference: expand, as before).  The
+        unexpanded K/V of the probe are head slices of buffers as large as the expanded ones, so an
+        op that ignored their head count would read valid memory and show a wrong result rather
+        than fault.  ``STRIPED_SP_GQA_NATIVE=0`` expands always."""
+        if q.size(1) == k.size(1) or q.device.type == "meta" or os.environ.get(GQA_NATIVE_ENV, "1") == "0":
+            return False
+        key = (op, str(q.device), q.dtype, q.size(-1))
+        if key not in _GQA_NATIVE:
+            _GQA_NATIVE[key] = self._probe_gqa(op, q.device, q.dtype, q.size(-1))
+        return _GQA_NATIVE[key]
+
+    def _probe_gqa(self, op, device, dtype, head_dim) -> bool:
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def rnd(heads):
+            return torch.randn(1, heads, 96, head_dim, generator=gen, device=device).to(dtype)
+
+        q, dout = rnd(4), rnd(4)
+        k, v = rnd(4)[:, :2], rnd(4)[:, :2]  # 2 kv heads for 4 query heads, inside 4-head buffers
+        scale, tol = 0.125, (1e-4 if dtype == torch.float32 else 2e-2)  # any scale does
+        try:
+            with torch.no_grad():
+                want = self._cuda_forward(op, q, k, v, True, scale, expand=True)
+                got = self._cuda_forward(op, q, k, v, True, scale, expand=False)
+                want += self._cuda_backward(op, dout, q, k, v, *want[:2], True, scale, expand=True)
+                got += self._cuda_backward(op, dout, q, k, v, *want[:2], True, scale, expand=False)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                return all(g.shape == w.shape and bool(torch.allclose(g.float(), w.float(), rtol=tol, atol=tol))
+                           for g, w in zip(got, want))
+        except Exception:  # noqa: BLE001 - an op that refuses fewer kv heads: expand
+            return False
 
     # -- masks and varlen (packed documents, sliding windows) ------------------------------
     def forward_masked(self, q, k, v, mask, scale):

@@ -120,10 +120,14 @@ def _expect(op, name, t, shape, dtype=None):
 
 
 class Expect:
-    """What the kernel promises each call: ``scale``; ``kv_heads_equal`` (kv heads expanded)."""
+    """What the kernel promises each call (``scale``), and how the stand-in ops treat fewer kv
+    heads than query heads (``gqa``): ``None`` refuses them (a contract error, as the releases
+    whose ops require equal heads); ``"native"`` takes them (query head ``i`` uses kv head
+    ``i // (h / kv_h)``, gradients summed over each group); ``"wrong"`` takes them but maps query
+    head ``i`` to kv head ``i % kv_h`` (an op that silently misreads them)."""
 
-    def __init__(self, scale: float):
-        self.scale = scale
+    def __init__(self, scale: float, gqa: str | None = None):
+        self.scale, self.gqa = scale, gqa
 
 
 def _forward_meta(fwd: str, b: dict):
@@ -162,7 +166,7 @@ def check_contract(op: str, b: dict, expect: Expect) -> None:
         _fail(op, f"query/key/value dims {q.dim()}/{k.dim()}/{v.dim()}")
     if k.shape != v.shape or k.size(-1) != q.size(-1):
         _fail(op, f"key {tuple(k.shape)} / value {tuple(v.shape)} do not fit query {tuple(q.shape)}")
-    if k.size(heads_dim) != q.size(heads_dim):
+    if k.size(heads_dim) != q.size(heads_dim) and (expect.gqa is None or varlen):
         _fail(op, f"key has {k.size(heads_dim)} heads, query {q.size(heads_dim)}: these ops are called with "
                   "expanded kv heads (see TorchKernel's docstring)")
     if not varlen:
@@ -281,10 +285,32 @@ def _varlen_segments(b):
         yield slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1]), vis
 
 
-def reference(op: str, b: dict, meta_out):
+def _kv_heads_of(h: int, kvh: int, gqa: str | None) -> torch.Tensor:
+    """For each of ``h`` query heads, the kv head a stand-in op reads (see :class:`Expect`)."""
+    i = torch.arange(h)
+    return i % kvh if gqa == "wrong" else i // (h // kvh)
+
+
+def reference(op: str, b: dict, meta_out, gqa: str | None = None):
     """The op's result from its documented semantics, in float64, cast to the meta outputs'
-    dtypes and shapes; lse padding (rows the op pads) is NaN."""
+    dtypes and shapes; lse padding (rows the op pads) is NaN.  Dense ops with fewer kv heads
+    read them as ``gqa`` says (:class:`Expect`)."""
     scale = b["scale"]
+    h, kvh = b["query"].size(1), b["key"].size(1)
+    if not op.startswith("_flash_attention") and kvh != h:
+        heads = _kv_heads_of(h, kvh, gqa)
+        b = {**b, "key": b["key"][:, heads], "value": b["value"][:, heads]}
+        res = reference(op, b, meta_out if op in FORWARD_OF.values() else
+                        [m.new_empty(b["key"].shape) if i in (1, 2) else m for i, m in enumerate(meta_out)])
+        if op in FORWARD_OF.values():
+            return res
+        res = list(res)
+        for i in (1, 2):  # dK / dV in the shape torch's meta kernel gives them
+            if meta_out[i].size(1) == kvh:  # flash, cuDNN: summed over the query heads that read each
+                summed = torch.zeros(meta_out[i].shape, dtype=torch.float64).index_add_(1, heads, res[i].double())
+                res[i] = summed.to(meta_out[i].dtype)
+            # efficient: one per query head (the meta kernel says so), the kernel sums the groups
+        return tuple(res)
 
     def like(i, value=None):
         m = meta_out[i]
@@ -336,9 +362,10 @@ class AtenShim:
     """``torch.ops.aten`` for :mod:`striped_sp.kernels`: checks the attention ops' calls up to
     ``level`` and records them; every other op is the real one."""
 
-    def __init__(self, level: str, scale: float):
+    def __init__(self, level: str, scale: float, gqa: str | None = None):
         assert level in LEVELS
-        self.level, self.expect, self.calls = level, Expect(scale), []
+        self.level, self.expect, self.calls = level, Expect(scale, gqa), []
+        self.kv_heads: list[int] = []  # the key's head count in each dense call (level schema and up)
 
     def __getattr__(self, name):
         real = getattr(REAL, name)
@@ -351,11 +378,13 @@ class AtenShim:
             at = LEVELS.index(self.level)
             if at >= 1:
                 bound = bind(name, args, kwargs)
+                if not name.startswith("_flash_attention"):
+                    self.kv_heads.append(bound["key"].size(1))
             if at >= 2:
                 check_contract(name, bound, self.expect)
                 check_bias(name, bound)
             if at >= 3 and args[0].device.type != "meta":
-                return reference(name, bound, meta_out)
+                return reference(name, bound, meta_out, self.expect.gqa)
             return meta_out
 
         return call

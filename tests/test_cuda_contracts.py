@@ -35,7 +35,7 @@ from aten_contracts import AtenShim, ContractError, TorchProxy, isclose_rel
 from ring_emulation import check_emulated
 from striped_sp.kernels import FlashAttnKernel, TorchKernel
 
-SCALE = 0.125
+SCALE = 0.125  # also the scale of TorchKernel's GQA probe, so the shim's scale check admits its calls
 N = 29  # a ring shard's length: not a power of two, not a multiple of 8 or 32
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 BLOCKS = [  # (q rows, kv rows, causal) as the ring slices them from one shard
@@ -78,10 +78,11 @@ def _reference(q, k, v, do, causal):
 def cuda_branch(monkeypatch):
     """Run TorchKernel's CUDA branch on CPU tensors through an AtenShim of the given level."""
 
-    def install(level="values"):
-        shim = AtenShim(level, SCALE)
+    def install(level="values", gqa=None):
+        shim = AtenShim(level, SCALE, gqa)
         monkeypatch.setattr(kernels_torch, "torch", TorchProxy(shim))
         monkeypatch.setattr(kernels_torch, "_uses_cpu_op", lambda t: False)
+        monkeypatch.setattr(kernels_torch, "_GQA_NATIVE", {})  # each stand-in is probed afresh
         return shim
 
     return install
@@ -114,7 +115,8 @@ def test_torch_cuda_ops_contracts_and_values(cuda_branch, variant, dtype, heads,
     _run_blocks(kernel, q, k, v, do, dtype)
     op = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
           "cudnn": "_scaled_dot_product_cudnn_attention"}[variant]
-    assert shim.calls == [op, op + "_backward"] * len(BLOCKS)
+    probe = 2 if heads[0] != heads[1] else 0  # GQA: the probe's expanded call, then the refused one
+    assert shim.calls == [op, op] * (probe // 2) + [op, op + "_backward"] * len(BLOCKS)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -203,6 +205,26 @@ def test_aligned_call_refused_on_the_efficient_op(cuda_branch):
         TorchKernel("efficient").forward(q, k[:, :-1], v[:, :-1], True, SCALE)
 
 
+@pytest.mark.parametrize("variant", ["flash", "efficient", "cudnn"])
+def test_gqa_kv_heads_unexpanded_only_where_the_op_takes_them(cuda_branch, monkeypatch, variant):
+    """The one-time probe per op: ops that refuse fewer kv heads (the releases that need equal
+    heads), and ops that take them but read the wrong head, get expanded kv heads; an op that
+    takes them correctly gets them as they are.  Values against float64 in every case."""
+    dtype = torch.bfloat16
+    q, k, v, do = _inputs(8, 2, 64, dtype, seed=8)
+    for gqa, native in ((None, False), ("wrong", False), ("native", True)):
+        shim = cuda_branch("values", gqa)
+        _run_blocks(TorchKernel(variant), q, k, v, do, dtype)
+        assert kernels_torch._GQA_NATIVE == {(variant, "cpu", dtype, 64): native}, gqa
+        probe = 2 if gqa is None else 4  # expanded and as-is forward (+ both backwards unless refused)
+        ring_calls = shim.kv_heads[probe:]
+        assert len(ring_calls) == 2 * len(BLOCKS) and set(ring_calls) == {2 if native else 8}, (gqa, shim.kv_heads)
+    monkeypatch.setenv(kernels_torch.GQA_NATIVE_ENV, "0")
+    shim = cuda_branch("values", "native")
+    _run_blocks(TorchKernel(variant), q, k, v, do, dtype)
+    assert kernels_torch._GQA_NATIVE == {} and set(shim.kv_heads) == {8}
+
+
 # -- the checks can fail: one argument order broken on purpose --------------------------------
 
 def _mutant(source_fn, old: str, new: str):
@@ -240,27 +262,27 @@ def test_swapped_out_and_lse_is_caught(cuda_branch):
     it (the meta run the issue describes), the schema binding too (both parameters are Tensor);
     the per-argument contract rejects it (``out`` has the lse's shape [b, h, s], dtype float32)."""
     assert _caught_at(cuda_branch, TorchKernel) is None  # the real kernel passes every level
-    broken = _mutant(TorchKernel.backward_native, "dout, q, kt, vt, out, lse, None, None", "dout, q, kt, vt, lse, out, None, None")
+    broken = _mutant(TorchKernel._cuda_backward, "dout, q, kt, vt, out, lse, None, None", "dout, q, kt, vt, lse, out, None, None")
     assert _caught_at(cuda_branch, broken) == "contract"
 
 
 def test_swapped_key_and_value_is_caught_by_values_only(cuda_branch):
     """Same shapes and dtypes: only the float64 values see that ``key`` and ``value`` traded places."""
-    broken = _mutant(TorchKernel.forward_native, "(q, kt, vt, 0.0, causal, False", "(q, vt, kt, 0.0, causal, False")
+    broken = _mutant(TorchKernel._cuda_forward, "(q, kt, vt, 0.0, causal, False", "(q, vt, kt, 0.0, causal, False")
     assert _caught_at(cuda_branch, broken) == "values"
 
 
 def test_unpadded_efficient_lse_is_caught(cuda_branch):
     """The memory-efficient backward reads lse padded to a multiple of 32 rows (torch's meta
     forward says so); handing it the unpadded lse is a contract error."""
-    broken = _mutant(TorchKernel.backward_native, "vt, None, out, lse_p, rng", "vt, None, out, lse, rng")
+    broken = _mutant(TorchKernel._cuda_backward, "vt, None, out, lse_p, rng", "vt, None, out, lse, rng")
     assert _caught_at(cuda_branch, broken, "efficient") == "contract"
 
 
 def test_positional_scale_is_caught(cuda_branch):
     """``scale`` is keyword-only in every schema: passing it by position is an arity error that
     torch's parser already reports (level meta)."""
-    broken = _mutant(TorchKernel.forward_native, "(q, kt, vt, 0.0, causal, False, scale=scale)",
+    broken = _mutant(TorchKernel._cuda_forward, "(q, kt, vt, 0.0, causal, False, scale=scale)",
                      "(q, kt, vt, 0.0, causal, False, scale)")
     assert _caught_at(cuda_branch, broken) == "meta"
 
