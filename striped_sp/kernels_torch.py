@@ -191,6 +191,8 @@ class TorchKernel(Kernel):
         if q.size(1) == k.size(1) or q.device.type == "meta" or os.environ.get(GQA_NATIVE_ENV, "1") == "0":
             return False
         key = (op, str(q.device), q.dtype, q.size(-1))
+        if key not in _GQA_NATIVE and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # no probe inside a CUDA graph capture (it synchronizes): expand, ask later
         if key not in _GQA_NATIVE:
             _GQA_NATIVE[key] = self._probe_gqa(op, q.device, q.dtype, q.size(-1))
         return _GQA_NATIVE[key]
