@@ -42,6 +42,24 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> to
     return bias[..., :lk]
 
 
+def _tracing(t: torch.Tensor) -> bool:
+    """Inside ``torch.compile`` tracing, or ``t`` a fake tensor: no probe can run."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and getattr(compiler, "is_compiling", lambda: False)():
+        return True
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:
+        return False
+    return isinstance(t, FakeTensor)
+
+
+def _is_device_error(e: BaseException) -> bool:
+    """A CUDA fault (not an op's argument check): it must not be swallowed."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(e, accelerator_error)) or "CUDA error" in str(e)
+
+
 class TorchKernel(Kernel):
     """PyTorch's fused SDPA ops, called directly so that the log-sum-exp is returned.
 
@@ -182,42 +200,55 @@ class TorchKernel(Kernel):
     def _gqa_native(self, op: str, q, k) -> bool:
         """Whether CUDA op ``op`` gets ``k``/``v`` with fewer heads than ``q`` as they are.
 
-        Decided once per (op, device, dtype, head_dim) and cached: the op runs a small causal
-        block, forward and backward, with the kv heads expanded and as they are, and it counts as
-        GQA-native only if both agree (a refusal or any difference: expand, as before).  The
-        unexpanded K/V of the probe are head slices of buffers as large as the expanded ones, so an
-        op that ignored their head count would read valid memory and show a wrong result rather
-        than fault.  ``STRIPED_SP_GQA_NATIVE=0`` expands always."""
+        Decided once per (op, device, dtype, head_dim, heads, kv_heads) and cached, by
+        :meth:`_probe_gqa`: a refusal or any difference from the expanded call means expand, as
+        before.  Not probed (expand, nothing cached) on meta or fake tensors, while tracing for
+        ``torch.compile`` or inside a CUDA graph capture.  ``STRIPED_SP_GQA_NATIVE=0`` expands
+        always."""
         if q.size(1) == k.size(1) or q.device.type == "meta" or os.environ.get(GQA_NATIVE_ENV, "1") == "0":
             return False
-        key = (op, str(q.device), q.dtype, q.size(-1))
-        if key not in _GQA_NATIVE and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # no probe inside a CUDA graph capture (it synchronizes): expand, ask later
-        if key not in _GQA_NATIVE:
-            _GQA_NATIVE[key] = self._probe_gqa(op, q.device, q.dtype, q.size(-1))
+        key = (op, str(q.device), q.dtype, q.size(-1), q.size(1), k.size(1))
+        if key in _GQA_NATIVE:
+            return _GQA_NATIVE[key]
+        if _tracing(q) or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return False
+        _GQA_NATIVE[key] = self._probe_gqa(op, q.device, q.dtype, q.size(-1), q.size(1), k.size(1))
         return _GQA_NATIVE[key]
 
-    def _probe_gqa(self, op, device, dtype, head_dim) -> bool:
-        gen = torch.Generator(device=device).manual_seed(0)
-
-        def rnd(heads):
-            return torch.randn(1, heads, 96, head_dim, generator=gen, device=device).to(dtype)
-
-        q, dout = rnd(4), rnd(4)
-        k, v = rnd(4)[:, :2], rnd(4)[:, :2]  # 2 kv heads for 4 query heads, inside 4-head buffers
+    def _probe_gqa(self, op, device, dtype, head_dim, heads, kv_heads) -> bool:
+        """Run ``op`` forward and backward with the kv heads expanded and as they are, on every
+        kind of call the ring makes (batch 2, several tiles): a causal square, a dense rectangle
+        (zigzag's halves), the aligned strict block (flash, whose causal mask is bottom-right), and
+        strided ``[b, s, h, d]`` views; GQA-native only if every result agrees.  The unexpanded
+        K/V are head slices of buffers as large as the expanded ones, so an op that ignored their
+        head count reads valid memory and shows a wrong result rather than faulting.  An op that
+        raises counts as refusing; a CUDA error (from the synchronisation after the calls) is
+        raised, not hidden."""
         scale, tol = 0.125, (1e-4 if dtype == torch.float32 else 2e-2)  # any scale does
+        shapes = [(160, 160, True), (160, 80, False)] + ([(160, 159, True)] if op == "flash" else [])
+        results = []
         try:
+            gen = torch.Generator(device=device).manual_seed(0)
             with torch.no_grad():
-                want = self._cuda_forward(op, q, k, v, True, scale, expand=True)
-                got = self._cuda_forward(op, q, k, v, True, scale, expand=False)
-                want += self._cuda_backward(op, dout, q, k, v, *want[:2], True, scale, expand=True)
-                got += self._cuda_backward(op, dout, q, k, v, *want[:2], True, scale, expand=False)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                return all(g.shape == w.shape and bool(torch.allclose(g.float(), w.float(), rtol=tol, atol=tol))
-                           for g, w in zip(got, want))
-        except Exception:  # noqa: BLE001 - an op that refuses fewer kv heads: expand
+                for (sq, sk, causal), fmt in [(c, "bhsd") for c in shapes] + [(shapes[0], "bshd")]:
+                    def rnd(n, h):  # [2, h, n, d]: heads of a buffer holding all `heads`
+                        full = torch.randn(2, n, heads, head_dim, generator=gen, device=device).to(dtype)
+                        return full[:, :, :h].transpose(1, 2) if fmt == "bshd" else full.transpose(1, 2).contiguous()[:, :h]
+
+                    q, dout, k, v = rnd(sq, heads), rnd(sq, heads), rnd(sk, kv_heads), rnd(sk, kv_heads)
+                    want = self._cuda_forward(op, q, k, v, causal, scale, expand=True)
+                    got = self._cuda_forward(op, q, k, v, causal, scale, expand=False)
+                    want += self._cuda_backward(op, dout, q, k, v, *want[:2], causal, scale, expand=True)
+                    got += self._cuda_backward(op, dout, q, k, v, *want[:2], causal, scale, expand=False)
+                    results.append((got, want))
+        except Exception as e:  # noqa: BLE001 - an op that refuses fewer kv heads: expand
+            if _is_device_error(e):
+                raise
             return False
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # outside the try: a fault must surface
+        return all(g.shape == w.shape and bool(torch.allclose(g.float(), w.float(), rtol=tol, atol=tol))
+                   for got, want in results for g, w in zip(got, want))
 
     # -- masks and varlen (packed documents, sliding windows) ------------------------------
     def forward_masked(self, q, k, v, mask, scale):

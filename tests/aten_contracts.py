@@ -124,7 +124,8 @@ class Expect:
     heads than query heads (``gqa``): ``None`` refuses them (a contract error, as the releases
     whose ops require equal heads); ``"native"`` takes them (query head ``i`` uses kv head
     ``i // (h / kv_h)``, gradients summed over each group); ``"wrong"`` takes them but maps query
-    head ``i`` to kv head ``i % kv_h`` (an op that silently misreads them)."""
+    head ``i`` to kv head ``i % kv_h`` (an op that silently misreads them); ``"wrong_if_<case>"``
+    misreads them only in one kind of call (:data:`GQA_WRONG_IF`) and reads them right otherwise."""
 
     def __init__(self, scale: float, gqa: str | None = None):
         self.scale, self.gqa = scale, gqa
@@ -285,9 +286,20 @@ def _varlen_segments(b):
         yield slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1]), vis
 
 
-def _kv_heads_of(h: int, kvh: int, gqa: str | None) -> torch.Tensor:
+GQA_WRONG_IF = {  # the kinds of call in which a "wrong_if_<case>" stand-in misreads kv heads
+    "backward": lambda op, b: op.endswith("_backward"),
+    "batched": lambda op, b: b["query"].size(0) > 1,
+    "noncausal": lambda op, b: not b["is_causal"],
+    "rectangular": lambda op, b: b["query"].size(2) != b["key"].size(2),
+    "strided": lambda op, b: not b["query"].is_contiguous(),
+}
+
+
+def _kv_heads_of(h: int, kvh: int, gqa: str | None, op: str = "", b: dict | None = None) -> torch.Tensor:
     """For each of ``h`` query heads, the kv head a stand-in op reads (see :class:`Expect`)."""
     i = torch.arange(h)
+    if gqa and gqa.startswith("wrong_if_"):
+        gqa = "wrong" if GQA_WRONG_IF[gqa[len("wrong_if_"):]](op, b) else "native"
     return i % kvh if gqa == "wrong" else i // (h // kvh)
 
 
@@ -298,7 +310,7 @@ def reference(op: str, b: dict, meta_out, gqa: str | None = None):
     scale = b["scale"]
     h, kvh = b["query"].size(1), b["key"].size(1)
     if not op.startswith("_flash_attention") and kvh != h:
-        heads = _kv_heads_of(h, kvh, gqa)
+        heads = _kv_heads_of(h, kvh, gqa, op, b)
         b = {**b, "key": b["key"][:, heads], "value": b["value"][:, heads]}
         res = reference(op, b, meta_out if op in FORWARD_OF.values() else
                         [m.new_empty(b["key"].shape) if i in (1, 2) else m for i, m in enumerate(meta_out)])

@@ -205,24 +205,42 @@ def test_aligned_call_refused_on_the_efficient_op(cuda_branch):
         TorchKernel("efficient").forward(q, k[:, :-1], v[:, :-1], True, SCALE)
 
 
+GQA_CASES = [(None, False), ("wrong", False), ("native", True)] + [
+    (f"wrong_if_{case}", False) for case in ("backward", "batched", "noncausal", "rectangular", "strided")]
+
+
 @pytest.mark.parametrize("variant", ["flash", "efficient", "cudnn"])
-def test_gqa_kv_heads_unexpanded_only_where_the_op_takes_them(cuda_branch, monkeypatch, variant):
+@pytest.mark.parametrize("gqa, native", GQA_CASES, ids=[str(c[0]) for c in GQA_CASES])
+def test_gqa_kv_heads_unexpanded_only_where_the_op_takes_them(cuda_branch, variant, gqa, native):
     """The one-time probe per op: ops that refuse fewer kv heads (the releases that need equal
-    heads), and ops that take them but read the wrong head, get expanded kv heads; an op that
-    takes them correctly gets them as they are.  Values against float64 in every case."""
+    heads), that read the wrong head, or that read the wrong head only in one kind of call the ring
+    makes (backward, batch > 1, dense, rectangular, strided views) get expanded kv heads; an op
+    that takes them correctly gets them as they are.  Values against float64 in every case."""
     dtype = torch.bfloat16
     q, k, v, do = _inputs(8, 2, 64, dtype, seed=8)
-    for gqa, native in ((None, False), ("wrong", False), ("native", True)):
-        shim = cuda_branch("values", gqa)
-        _run_blocks(TorchKernel(variant), q, k, v, do, dtype)
-        assert kernels_torch._GQA_NATIVE == {(variant, "cpu", dtype, 64): native}, gqa
-        probe = 2 if gqa is None else 4  # expanded and as-is forward (+ both backwards unless refused)
-        ring_calls = shim.kv_heads[probe:]
-        assert len(ring_calls) == 2 * len(BLOCKS) and set(ring_calls) == {2 if native else 8}, (gqa, shim.kv_heads)
+    shim = cuda_branch("values", gqa)
+    kernel = TorchKernel(variant)
+    assert kernel._gqa_native(variant, q.transpose(1, 2), k.transpose(1, 2)) == native
+    assert kernels_torch._GQA_NATIVE == {(variant, "cpu", dtype, 64, 8, 2): native}
+    shim.kv_heads.clear()
+    _run_blocks(kernel, q, k, v, do, dtype)
+    assert len(shim.kv_heads) == 2 * len(BLOCKS) and set(shim.kv_heads) == {2 if native else 8}
+
+
+def test_gqa_probe_can_be_turned_off(cuda_branch, monkeypatch):
     monkeypatch.setenv(kernels_torch.GQA_NATIVE_ENV, "0")
     shim = cuda_branch("values", "native")
-    _run_blocks(TorchKernel(variant), q, k, v, do, dtype)
+    q, k, v, do = _inputs(8, 2, 64, torch.bfloat16, seed=9)
+    _run_blocks(TorchKernel("flash"), q, k, v, do, torch.bfloat16)
     assert kernels_torch._GQA_NATIVE == {} and set(shim.kv_heads) == {8}
+
+
+def test_gqa_probe_skipped_while_tracing(cuda_branch, monkeypatch):
+    """Under torch.compile tracing nothing is probed or cached (the kv heads are expanded)."""
+    cuda_branch("values", "native")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    q, k = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
+    assert not TorchKernel("flash")._gqa_native("flash", q, k) and kernels_torch._GQA_NATIVE == {}
 
 
 # -- the checks can fail: one argument order broken on purpose --------------------------------
