@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .kernels import Kernel, resolve_kernel
+from .kernels_torch import gqa_probe_enabled
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
 from .ring import Ring
@@ -275,6 +276,7 @@ def ring_attention(
         lay = get_layout(layout)
         _check_inputs(q, k, v, lay)
         kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1), deterministic=bool(deterministic))
+        gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
         strict_block = strict_block_mode(
             kernel, q.device, q.dtype, q.size(-1), applies=lay.name == "striped" and bool(causal)
             and cu_seqlens is None and window_size is None and ulysses_size == 1 and ulysses_groups is None)

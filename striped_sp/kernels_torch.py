@@ -15,7 +15,7 @@ import torch
 
 from .kernels import _FLOAT_DTYPES, _HALF_DTYPES, Kernel, _expand_kv, _group_sum
 
-__all__ = ["TorchKernel", "GQA_NATIVE_ENV"]
+__all__ = ["TorchKernel", "GQA_NATIVE_ENV", "gqa_probe_enabled"]
 
 GQA_NATIVE_ENV = "STRIPED_SP_GQA_NATIVE"
 _GQA_NATIVE: dict = {}  # (op, device, dtype, head_dim) -> the op takes fewer kv heads as they are
@@ -40,6 +40,15 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> to
     bias = torch.zeros(*mask.shape[:-1], padded, dtype=dtype, device=mask.device)
     bias[..., :lk].masked_fill_(~mask, float("-inf"))
     return bias[..., :lk]
+
+
+def gqa_probe_enabled() -> bool:
+    """``$STRIPED_SP_GQA_NATIVE``: unset or ``1`` probes (the default), ``0`` always expands;
+    anything else is a ``ValueError`` (``ring_attention`` checks it before any message)."""
+    value = os.environ.get(GQA_NATIVE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"${GQA_NATIVE_ENV}={value!r} must be '1' (probe the ops) or '0' (always expand kv heads)")
+    return value == "1"
 
 
 def _tracing(t: torch.Tensor) -> bool:
@@ -205,7 +214,7 @@ class TorchKernel(Kernel):
         before.  Not probed (expand, nothing cached) on meta or fake tensors, while tracing for
         ``torch.compile`` or inside a CUDA graph capture.  ``STRIPED_SP_GQA_NATIVE=0`` expands
         always."""
-        if q.size(1) == k.size(1) or q.device.type == "meta" or os.environ.get(GQA_NATIVE_ENV, "1") == "0":
+        if q.size(1) == k.size(1) or q.device.type == "meta" or not gqa_probe_enabled():
             return False
         key = (op, str(q.device), q.dtype, q.size(-1), q.size(1), k.size(1))
         if key in _GQA_NATIVE:

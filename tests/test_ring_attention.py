@@ -99,6 +99,15 @@ def check_strict_block_setting(n, seed):
         striped_sp.ring_attention(q, k, v, group, layout="striped", window_size=(3, 0))
     finally:
         del os.environ[STRICT_BLOCK_ENV]
+    os.environ["STRIPED_SP_GQA_NATIVE"] = "false"
+    try:  # refused by name on every rank, before the ring starts
+        striped_sp.ring_attention(q, k, v, group, layout="zigzag")
+    except ValueError as e:
+        assert "$STRIPED_SP_GQA_NATIVE='false' must be '1'" in str(e), e
+    else:
+        raise AssertionError("a bad STRIPED_SP_GQA_NATIVE was not refused")
+    finally:
+        del os.environ["STRIPED_SP_GQA_NATIVE"]
 
 
 def _cases(world):
