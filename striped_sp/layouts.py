@@ -80,6 +80,12 @@ class Layout:
     #: the sequence length must be a multiple of ``world_size * seq_multiple``
     seq_multiple: int = 1
 
+    @property
+    def key(self) -> str:
+        """The layout and its parameters as one string (equal keys: the same token placement),
+        for caches and the cross-rank agreement check."""
+        return self.name
+
     def check_seq_len(self, seq_len: int, world_size: int) -> None:
         """Raise ``ValueError`` unless ``seq_len`` splits evenly over ``world_size`` ranks."""
         if world_size < 1:
