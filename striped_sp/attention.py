@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
 
+from .agreement import agree, check_ranks_enabled
 from .kernels import Kernel, resolve_kernel
 from .kernels_torch import gqa_probe_enabled
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
-from .ring import Ring
+from .ring import Ring, ring_timeout
 from .step import (Accumulator, backward_step, forward_step, from_format, merge_block, seq_slice,
                    strict_block_mode, to_format)
 from .ulysses import (GroupedLayout, check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads,
@@ -46,8 +46,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel,
                 mask: MaskSpec | None = None, grad_comm_dtype: torch.dtype = torch.float32,
-                strict_block: str = "sliced"):
-        ring = Ring(group)
+                strict_block: str = "sliced", timeout=None):
+        ring = Ring(group, timeout)
         n, rank, local_len = ring.world_size, ring.rank, q.size(1)
         plans = _plans(layout, mask, causal, n, rank, local_len)
         fmt = "bshd" if mask is not None else kernel.tensor_format
@@ -56,7 +56,8 @@ class _RingAttention(torch.autograd.Function):
         acc = Accumulator(qn, masked=mask is not None, fmt=fmt)
         k_own, v_own = k_cur, v_cur
         for step in range(n):
-            transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
+            transfer = ring.shift([k_cur, v_cur], f"forward step {step + 1} of {n} (keys/values)") \
+                if step < n - 1 else None
             with _settle_on_error(transfer):
                 if mask is None:
                     forward_step(kernel, qn, k_cur, v_cur, plans[step], scale, acc, aligned)
@@ -68,21 +69,22 @@ class _RingAttention(torch.autograd.Function):
         out = from_format(acc.out, fmt, q.dtype)  # [b, s, h, d], contiguous
         ctx.save_for_backward(qn, k_own, v_own, out, acc.lse)
         ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
-        ctx.grad_comm_dtype, ctx.fmt, ctx.aligned = grad_comm_dtype, fmt, aligned
+        ctx.grad_comm_dtype, ctx.fmt, ctx.aligned, ctx.timeout = grad_comm_dtype, fmt, aligned, timeout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plans, masked, scale, kernel, fmt = ctx.plans, ctx.masked, ctx.scale, ctx.kernel, ctx.fmt
-        ring = Ring(ctx.group)
+        ring = Ring(ctx.group, ctx.timeout)
         n = ring.world_size
         dout, out = to_format(dout, fmt), to_format(out, fmt)  # out was saved as returned (no second copy kept)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         k_cur, v_cur = k, v
         dkv_transfer = None
         for step in range(n):
-            kv_transfer = ring.shift([k_cur, v_cur]) if step < n - 1 else None
+            kv_transfer = ring.shift([k_cur, v_cur], f"backward step {step + 1} of {n} (keys/values)") \
+                if step < n - 1 else None
             block_grads = []
             with _settle_on_error(kv_transfer, dkv_transfer):
                 if masked:
@@ -107,13 +109,14 @@ class _RingAttention(torch.autograd.Function):
                 seq_slice(dk_acc, kv_rows, fmt).add_(dk_b)
                 seq_slice(dv_acc, kv_rows, fmt).add_(dv_b)
             if n > 1:
-                dkv_transfer = ring.shift([dk_acc.to(ctx.grad_comm_dtype), dv_acc.to(ctx.grad_comm_dtype)])
+                dkv_transfer = ring.shift([dk_acc.to(ctx.grad_comm_dtype), dv_acc.to(ctx.grad_comm_dtype)],
+                                          f"backward step {step + 1} of {n} (dK/dV)")
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()
         if dkv_transfer is not None:
             dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
         dq, dk, dv = (from_format(g, fmt, t.dtype) for g, t in ((dq, q), (dk_acc, k), (dv_acc, v)))
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _plans(layout: Layout, mask: MaskSpec | None, causal: bool, n: int, rank: int, local_len: int) -> list:
@@ -149,55 +152,21 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     layout.check_local_len(q.size(1))
 
 
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_LAYOUT_CODES = {"striped": 1, "zigzag": 2, "contiguous": 3}
-
-
-def _mask_digest(mask: MaskSpec | None) -> list[int]:
-    """Document count, a checksum of the boundaries, and the window: equal masks, equal digests."""
-    if mask is None:
-        return [0, 0, -1, -2]
-    checksum = sum((i + 1) * b for i, b in enumerate(mask.bounds)) % (1 << 61)
-    return [len(mask.bounds) - 1, checksum, mask.left, mask.right]
-
-
-_META_LEN = 14  # shape (4), kv heads, dtype, layout, causal, scale, mask digest (4), local error
-
-
-def _check_consistent_across_ranks(q, k, layout: Layout | None, causal: bool, scale: float, group,
-                                   mask: MaskSpec | None = None, error: ValueError | None = None,
-                                   ulysses: int = 1) -> None:
-    """Opt-in (``STRIPED_SP_CHECK_RANKS=1``): one small all-gather of every rank's shapes, dtype,
-    layout, causal flag, scale, document boundaries and window, and of whether its own argument
-    checks failed (``error``), so that ranks called with different or bad arguments all raise a
-    ``ValueError`` instead of deadlocking in the ring.  Costs one collective per call."""
-    names = sorted(_LAYOUT_CODES)
-    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    if error is None:
-        meta = [*q.shape, k.size(2), _DTYPE_CODES.get(q.dtype, 0), _LAYOUT_CODES[layout.name] + 16 * ulysses,
-                int(causal), round(scale * 1e9), *_mask_digest(mask), 0]
-    else:
-        meta = [0] * (_META_LEN - 1) + [1]
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
-    n = dist.get_world_size(group)
-    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    rows = every.view(n, -1).tolist()
-    failed = [r for r, row in enumerate(rows) if row[-1]]
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(f"ring_attention: the argument checks failed on rank(s) {failed} of the group "
-                         "(their own ValueError says why); no rank started the ring")
-    if any(row != rows[0] for row in rows):
-        fields = ("batch, s_local, heads, head_dim, kv_heads, dtype, layout + 16 * ulysses_size, causal, scale*1e9, "
-                  "documents, cu_seqlens checksum, window left, window right, -")
-        detail = "; ".join(f"rank {r}: {row}" for r, row in enumerate(rows))
-        raise ValueError(
-            f"ring_attention called with different arguments on the ranks of the group ({fields}): "
-            f"{detail}; every rank must pass the same shapes, dtype, layout ({names}), causal, scale, "
-            "cu_seqlens and window_size"
-        )
+def _check_consistent_across_ranks(q, k, v, layout: Layout, causal: bool, scale: float, group,
+                                   mask: MaskSpec | None, ulysses: int, kernel: Kernel, grad_comm_dtype,
+                                   deterministic: bool, timeout) -> None:
+    """Every rank of ``group`` passed the same signature (:func:`striped_sp.agreement.agree`: one
+    small exchange the first time the group sees it, nothing afterwards); else a ``ValueError`` on
+    every rank naming the field and both values."""
+    fields = [
+        ("q.shape", q.shape), ("k.shape", k.shape), ("v.shape", v.shape), ("dtype", q.dtype),
+        ("device type", q.device.type), ("layout", layout.key), ("causal", causal), ("softmax_scale", scale),
+        ("cu_seqlens", None if mask is None else mask.bounds),
+        ("window_size", None if mask is None else (mask.left, mask.right)),
+        ("ulysses_size", ulysses), ("backend", kernel.name), ("grad_comm_dtype", grad_comm_dtype),
+        ("deterministic", deterministic),
+    ]
+    agree(group, fields, what="ring_attention", device=q.device, timeout=timeout, enabled=True)
 
 
 def ring_attention(
@@ -216,6 +185,7 @@ def ring_attention(
     ulysses_size: int = 1,
     ulysses_groups: tuple | None = None,
     grad_comm_dtype: torch.dtype | None = None,
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -243,8 +213,8 @@ def ring_attention(
             over heads inside groups of ``u`` consecutive ranks of ``group``, the ring across
             them.  The inputs stay sharded by ``shard(x, N, rank, layout)`` over the whole group.
             ``u`` must divide ``N`` and ``heads``; kv heads must divide by ``u`` or divide it.  Every
-            rank must pass the same ``u``: as for shapes, ranks that disagree are caught (a
-            ``ValueError`` on each) only with ``STRIPED_SP_CHECK_RANKS=1``; otherwise they hang.
+            rank must pass the same ``u``: as for shapes, ranks that disagree all raise a ``ValueError``
+            (the cross-rank check below).
         ulysses_groups: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` (needed
             when ``group`` is not the default group, whose groups are built on first use), or
             Megatron's hierarchical CP groups; ``outer=None`` with ``inner`` = ``group``: pure
@@ -254,15 +224,20 @@ def ring_attention(
             every hop adds in fp32, so the error does not grow with the ring size); bfloat16 or
             float16 halve those bytes at the cost of one rounding per hop (docs/benchmarks.md,
             section 8 has the measured error against N).
+        timeout: seconds a rank waits for a ring transfer (or the ranks' agreement) before it
+            raises ``TimeoutError`` naming itself, the peer and the step; default
+            :func:`striped_sp.ring.ring_timeout` (``$STRIPED_SP_RING_TIMEOUT_S``, else 600).  CPU
+            tensors (gloo); on CUDA the process group's own timeout applies.
 
     Returns:
         ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
         belong to the local queries.  Differentiable in ``q``, ``k`` and ``v``.
 
     Every argument is checked before any message is sent; bad ones raise ``ValueError``.
-    With ``STRIPED_SP_CHECK_RANKS=1`` in the environment, one extra small all-gather also checks
-    that every rank of the group passed the same shapes, dtype, layout, causal flag, scale,
-    ``cu_seqlens`` and ``window_size``.
+    The first call with a new signature (shapes, dtype, layout, mask, window, causal, scale, Ulysses
+    size, kernel, grad_comm_dtype, deterministic) also checks, with one small exchange cached
+    afterwards (:mod:`striped_sp.agreement`), that every rank of the group passed the same; ranks that
+    disagree all raise a ``ValueError`` naming the field.  ``STRIPED_SP_CHECK_RANKS=0`` turns it off.
     """
     if group is None:
         if not dist.is_available() or not dist.is_initialized():
@@ -271,7 +246,8 @@ def ring_attention(
                 "or pass group="
             )
         group = dist.group.WORLD
-    check_ranks = os.environ.get("STRIPED_SP_CHECK_RANKS", "0") not in ("", "0")
+    check_ranks = check_ranks_enabled()
+    ring_to = ring_timeout(timeout)
     try:
         lay = get_layout(layout)
         _check_inputs(q, k, v, lay)
@@ -311,21 +287,23 @@ def ring_attention(
                 "cu_seqlens / window_size"
             raise ValueError(f"backend {kernel.name!r} cannot run {what}: {kernel.varlen_unavailable_reason()}")
     except ValueError as e:
-        if check_ranks:  # every rank learns that this one failed, instead of waiting in the ring
-            _check_consistent_across_ranks(q, k, None, bool(causal), 1.0, group, error=e)
+        # every rank learns that this one failed, instead of waiting in the ring
+        agree(group, None, what="ring_attention", error=e, timeout=ring_to, enabled=check_ranks,
+              device=q.device if isinstance(q, torch.Tensor) else None)
         raise
     if check_ranks:
-        _check_consistent_across_ranks(q, k, lay, bool(causal), scale, group, mask,
-                                       ulysses=u if hierarchical else 1)
+        _check_consistent_across_ranks(q, k, v, lay, bool(causal), scale, group, mask, u if hierarchical else 1,
+                                       kernel, comm, bool(deterministic), ring_to)
     if not hierarchical:
-        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask, comm, strict_block)
+        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask, comm, strict_block,
+                                   ring_to)
     inner, outer = ulysses_groups if ulysses_groups is not None else ulysses_ring_groups(
         [dist.get_process_group_ranks(group)], u)
     if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
         k, v = (t.repeat_interleave(u // k.size(2), dim=2) for t in (k, v))
     q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
     out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(lay, u), bool(causal), scale, kernel, mask, comm,
-                               strict_block)
+                               strict_block, ring_to)
     return heads_to_seq(out, inner, u)
 
 

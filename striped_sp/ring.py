@@ -1,24 +1,85 @@
-"""The ring: neighbours from an explicit process group and double-buffered KV transfers."""
+"""The ring: neighbours from an explicit process group, double-buffered KV transfers, and the
+ring timeout.
+
+A peer that stops (stuck, or killed without closing its sockets) would otherwise hold every rank
+for the process group's timeout (gloo: 30 minutes).  Each transfer is waited on with the ring
+timeout instead; past it the rank raises ``TimeoutError`` naming itself, the peer and the ring step.
+The timeout is, in order: ``ring_attention(..., timeout=)``; :func:`set_ring_timeout` (the Megatron
+flag ``--context-parallel-timeout-s`` and the DeepSpeed key ``context_parallel.timeout_s`` set it);
+``$STRIPED_SP_RING_TIMEOUT_S``; :data:`DEFAULT_TIMEOUT_S`.  It applies to CPU tensors (gloo), whose
+``Work.wait(timeout=)`` raises after it (torch 2.13, checked); on CUDA (NCCL) the wait stays
+asynchronous and the process group's own timeout (NCCL's watchdog, 10 minutes by default) applies.
+"""
 
 from __future__ import annotations
+
+import datetime
+import math
+import os
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ring", "Transfer"]
+__all__ = ["Ring", "Transfer", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "ring_timeout", "set_ring_timeout"]
+
+TIMEOUT_ENV = "STRIPED_SP_RING_TIMEOUT_S"
+#: the ring timeout unless set otherwise: well below gloo's 30 minutes, above any sane ring step
+DEFAULT_TIMEOUT_S = 600.0
+_configured_s: float | None = None
+
+
+def _seconds(value, source: str) -> float:
+    try:
+        seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{source}={value!r} must be a positive, finite number of seconds")
+    return seconds
+
+
+def set_ring_timeout(seconds: float | None) -> None:
+    """The process-wide ring timeout in seconds (``None``: back to ``$STRIPED_SP_RING_TIMEOUT_S`` or
+    the default).  ``ValueError`` unless positive and finite."""
+    global _configured_s
+    _configured_s = None if seconds is None else _seconds(seconds, "ring timeout")
+
+
+def ring_timeout(timeout: float | datetime.timedelta | None = None) -> datetime.timedelta:
+    """The ring timeout: ``timeout`` (seconds or a ``timedelta``) when given, else the configured one
+    (module docstring); ``ValueError`` naming the source of a bad value."""
+    if timeout is not None:
+        return datetime.timedelta(seconds=_seconds(timeout, "timeout"))
+    if _configured_s is not None:
+        return datetime.timedelta(seconds=_configured_s)
+    env = os.environ.get(TIMEOUT_ENV)
+    if env is not None:
+        return datetime.timedelta(seconds=_seconds(env, f"${TIMEOUT_ENV}"))
+    return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
 
 
 class Transfer:
     """Receives in flight from the previous rank; :meth:`wait` returns the received tensors."""
 
-    def __init__(self, requests, sent: list[torch.Tensor], received: list[torch.Tensor]):
+    def __init__(self, requests, sent: list[torch.Tensor], received: list[torch.Tensor], ring: "Ring" = None,
+                 what: str = "a ring step"):
         self._requests = requests
         self._sent = sent  # kept alive until the sends complete
         self._received = received
+        self._ring, self._what = ring, what
 
     def wait(self) -> list[torch.Tensor]:
-        for req in self._requests:
-            req.wait()
+        ring = self._ring
+        timeout = ring.timeout if ring is not None and self._received and self._received[0].device.type == "cpu" \
+            else None
+        for i, req in enumerate(self._requests):
+            if timeout is None:
+                req.wait()
+                continue
+            try:
+                req.wait(timeout=timeout)
+            except RuntimeError as err:
+                raise ring.stuck_error(self._what, sending=i < len(self._sent), err=err) from err
         self._sent = []
         return self._received
 
@@ -26,10 +87,12 @@ class Transfer:
 class Ring:
     """A ring over the ranks of ``group``: sends go to the next rank, receives come from the
     previous one.  Neighbours are *global* ranks, taken from the group itself.  ``None``: a ring
-    of this rank alone (it never sends)."""
+    of this rank alone (it never sends).  ``timeout``: each transfer's wait (CPU tensors; ``None``:
+    the process group's own)."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, timeout: datetime.timedelta | None = None):
         self.group = group
+        self.timeout = timeout
         if group is None:  # a ring of one rank (hierarchical CP with every rank in one Ulysses group)
             self.rank, self.world_size = 0, 1
             return
@@ -39,11 +102,24 @@ class Ring:
         self.next_rank = ranks[(self.rank + 1) % self.world_size]
         self.prev_rank = ranks[(self.rank - 1) % self.world_size]
 
-    def shift(self, tensors: list[torch.Tensor]) -> Transfer:
+    def shift(self, tensors: list[torch.Tensor], what: str = "a ring step") -> Transfer:
         """Post the send of ``tensors`` to the next rank and receives of same-shaped tensors from
-        the previous one into fresh buffers (the double buffer); returns at once."""
+        the previous one into fresh buffers (the double buffer); returns at once.  ``what`` names
+        the step in a timeout's message (``"forward step 2 of 4"``)."""
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
         ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
-        return Transfer(dist.batch_isend_irecv(ops), sent, received)
+        return Transfer(dist.batch_isend_irecv(ops), sent, received, self, what)
+
+    def stuck_error(self, what: str, sending: bool, err: BaseException) -> Exception:
+        """The error for a transfer that failed or timed out: names this rank, the peer and the step."""
+        me = f"rank {dist.get_rank()} (rank {self.rank} of its CP group of {self.world_size})"
+        peer = (f"sending to rank {self.next_rank}" if sending else f"receiving from rank {self.prev_rank}")
+        text = str(err)
+        if "imed out" in text or "timeout" in text:
+            return TimeoutError(
+                f"ring_attention: {me} waited more than {self.timeout.total_seconds():g} s {peer} in {what}: "
+                f"that peer is stuck or gone (set the ring timeout with ring_attention(timeout=), "
+                f"${TIMEOUT_ENV}, --context-parallel-timeout-s or context_parallel.timeout_s)")
+        return RuntimeError(f"ring_attention: {me} failed {peer} in {what}: {text.splitlines()[0] if text else err!r}")

@@ -1,0 +1,195 @@
+"""Cross-rank agreement: every rank of a group checks, once per call signature, that all ranks
+called with the same arguments, so that ranks that disagree raise a ``ValueError`` naming the
+field instead of exchanging mismatched ring messages (silently wrong gradients, a crash or a hang).
+
+:func:`agree` is the one routine.  A caller names its signature as ``(field, value)`` pairs
+(shapes, dtype, layout key, mask, ...).  The first time a group sees a signature, its ranks run a
+fixed protocol that every rank follows whatever its own values, so that ranks that disagree never
+wait on each other:
+
+1. one all-gather of two int64 per rank: a status (0: ready; 1: this rank's own argument checks
+   failed) and a 64-bit digest of the signature (blake2b, the same on every process);
+2. only when every status is 0 and the digests differ (every rank sees the same gathered table, so
+   all take this step or none): an all-gather of the byte lengths, then one of the padded readable
+   field values; each rank then names the fields that differ and both values.
+
+An agreed signature is kept in a small per-group LRU cache (:data:`CACHE_SIZE` entries), so the
+steady state sends nothing.  Ranks that call with the same sequence of signatures hold the same
+cache and skip the exchange together.  What the cache cannot see: one rank calling with a
+signature it agreed on before while another calls with a new one (the first skips the check, the
+second waits for it); such a rank is then stopped by the exchange's timeout (the ring timeout,
+:func:`striped_sp.ring.ring_timeout`), with a message that says so.
+
+``$STRIPED_SP_CHECK_RANKS``: ``1`` (the default) checks, ``0`` turns the check off (ranks that
+disagree then go unnoticed); anything else is a ``ValueError`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CHECK_RANKS_ENV", "CACHE_SIZE", "check_ranks_enabled", "agree", "clear_cache"]
+
+CHECK_RANKS_ENV = "STRIPED_SP_CHECK_RANKS"
+#: agreed signatures kept per group (an LRU): more than the distinct attention calls of one step
+CACHE_SIZE = 64
+_VALUE_CHARS = 200  # a field's readable value is cut to this many characters (its digest is not)
+_CACHES: dict = {}  # group key -> OrderedDict(signature -> None)
+
+
+def check_ranks_enabled() -> bool:
+    """``$STRIPED_SP_CHECK_RANKS``: unset or ``1``: check (the default); ``0``: off; else ``ValueError``."""
+    value = os.environ.get(CHECK_RANKS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"${CHECK_RANKS_ENV}={value!r} must be '1' (check that the ranks agree, the default) "
+                         "or '0' (no check)")
+    return value == "1"
+
+
+def clear_cache() -> None:
+    """Forget every agreed signature (each group checks its next call again)."""
+    _CACHES.clear()
+
+
+def _group_key(group) -> tuple:
+    return (id(group), tuple(dist.get_process_group_ranks(group)))
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple, torch.Size)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _digest(text: str) -> int:
+    """A signed 64-bit digest of ``text``, the same on every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _readable(value: Any) -> str:
+    text = repr(tuple(value)) if isinstance(value, torch.Size) else repr(value)
+    return text if len(text) <= _VALUE_CHARS else text[:_VALUE_CHARS - 3] + "..."
+
+
+def _all_gather(mine: torch.Tensor, group, timeout: datetime.timedelta | None, what: str) -> torch.Tensor:
+    """``[world_size, *mine.shape]``: every rank's ``mine``; a peer that does not join within
+    ``timeout`` (CPU tensors, gloo) raises ``TimeoutError``."""
+    n = dist.get_world_size(group)
+    every = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)  # gloo: concatenated only
+    work = dist.all_gather_single(every, mine.reshape(-1), group=group, async_op=True)
+    try:
+        if timeout is not None and mine.device.type == "cpu":
+            work.wait(timeout=timeout)
+        else:
+            work.wait()
+    except RuntimeError as err:
+        if "imed out" not in str(err) and "timeout" not in str(err):
+            raise
+        waited = f"more than {timeout.total_seconds():g} s" if timeout is not None else "past the group's timeout"
+        raise TimeoutError(
+            f"{what}: rank {dist.get_rank(group)} of the group waited {waited} for "
+            "the other ranks to check their arguments (a peer is stuck or gone, or it skipped the check because "
+            "it called with a signature the group had agreed on before while this rank called with a new one: "
+            "the ranks were called with different arguments)") from err
+    return every.view(n, *mine.shape)
+
+
+def _padded_bytes(text: str, device) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+
+
+def _describe_mismatch(fields: Sequence[tuple[str, Any]], group, device, timeout, what: str) -> str:
+    """Step 2: every rank's readable values (and per-field digests); the differing fields named."""
+    import json
+
+    mine = json.dumps([[name, _readable(value), _digest(repr(_hashable(value)))] for name, value in fields])
+    data = _padded_bytes(mine, device)
+    lengths = _all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), group, timeout,
+                          what).view(-1).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    every = _all_gather(padded, group, timeout, what).cpu()
+    tables = [json.loads(bytes(every[r, :lengths[r]].tolist()).decode()) for r in range(len(lengths))]
+    base = {name: (value, d) for name, value, d in tables[0]}
+    lines = []  # the same text on every rank: each rank that differs from rank 0, field by field
+    for r, table in enumerate(tables[1:], start=1):
+        theirs = {name: (value, d) for name, value, d in table}
+        for name, (value0, d0) in base.items():
+            if name not in theirs or theirs[name][1] != d0:
+                lines.append(f"rank {r} passed {name}={theirs.get(name, ('(nothing)',))[0]}, rank 0 passed {value0}")
+    return "; ".join(lines) or "the signatures differ but no single field does (different field lists)"
+
+
+def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_attention",
+          error: BaseException | None = None, device: torch.device | str | None = None,
+          timeout: datetime.timedelta | None = None, enabled: bool | None = None) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless every rank passed the same ``fields``.
+
+    Args:
+        group: the process group (``None``: the default group); of size 1: nothing to check.
+        fields: this rank's signature as ``(name, value)`` pairs, the same names in the same order on
+            every rank; values are compared by ``repr`` (lists, tuples and ``torch.Size`` by their items).
+            ``None`` when ``error`` is given.
+        what: the caller's name, at the head of every message.
+        error: this rank's own argument check failed: tell the others (their ``ValueError`` names this
+            rank), then raise ``error`` here.  Raised also when no peer joins within ``timeout``.
+        device: where the exchange's small tensors live (the caller's: CUDA for NCCL).
+        timeout: how long to wait for the peers (gloo); ``None``: the process group's own.
+        enabled: ``None``: :func:`check_ranks_enabled`.
+
+    Sends nothing when the check is off, on one rank, or for a signature the group agreed on before
+    (this rank's cache; see the module docstring).  ``TimeoutError`` when a peer never joins.
+    """
+    if enabled is None:
+        enabled = check_ranks_enabled()
+    if group is None:
+        group = dist.group.WORLD
+    if not enabled or dist.get_world_size(group) == 1 or _tracing():
+        if error is not None:
+            raise error
+        return
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if error is None:
+        signature = tuple((name, _hashable(value)) for name, value in fields)
+        cache = _CACHES.setdefault(_group_key(group), collections.OrderedDict())
+        if signature in cache:
+            cache.move_to_end(signature)
+            return
+        status, digest = 0, _digest(repr(signature))
+    else:
+        status, digest = 1, 0
+    try:
+        table = _all_gather(torch.tensor([status, digest], dtype=torch.int64, device=device), group, timeout,
+                            what).tolist()
+    except TimeoutError:
+        if error is not None:
+            raise error from None
+        raise
+    failed = [r for r, (s, _) in enumerate(table) if s]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"{what}: the argument checks failed on rank(s) {failed} of the group (their own "
+                         "ValueError says why); no rank started the ring")
+    if any(d != table[0][1] for _, d in table):
+        detail = _describe_mismatch(fields, group, device, timeout, what)
+        raise ValueError(f"{what}: the ranks of the group were called with different arguments: {detail}. "
+                         "Every rank must pass the same values (or set $STRIPED_SP_CHECK_RANKS=0 to skip this check)")
+    cache[signature] = None
+    if len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+def _tracing() -> bool:
+    """Inside ``torch.compile`` tracing or a CUDA graph capture: no exchange can run."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and getattr(compiler, "is_compiling", lambda: False)():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
