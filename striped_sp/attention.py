@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .agreement import agree, check_ranks_enabled
 from .kernels import Kernel, resolve_kernel
@@ -13,8 +14,8 @@ from .kernels_torch import gqa_probe_enabled
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
 from .ring import Ring, ring_timeout
-from .step import (Accumulator, backward_step, forward_step, from_format, merge_block, seq_slice,
-                   strict_block_mode, to_format)
+from .step import (Accumulator, backward_step, forward_step, from_format, merge_block, strict_block_mode,
+                   to_format)
 from .ulysses import (GroupedLayout, check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads,
                       ulysses_ring_groups)
 
@@ -39,9 +40,19 @@ class _RingAttention(torch.autograd.Function):
     Backward: the ring again; dQ stays local, fp32 dK/dV travel with the blocks and reach their
     owner after ``world_size`` hops.
 
-    Dense (unmasked) rings run in the kernel's :attr:`~striped_sp.kernels.Kernel.tensor_format`:
-    q, k, v are converted once here (K/V travel in it), the output and gradients once on the way
-    out.  Masked rings (varlen plans) run in ``[b, s, h, d]``."""
+    Dense (unmasked) forwards run in the kernel's :attr:`~striped_sp.kernels.Kernel.tensor_format`:
+    q, k, v are converted once here (K/V travel in it), the output once on the way out.  Backward
+    and masked rings (varlen plans) run in ``[b, s, h, d]`` on the caller's tensors.
+
+    Memory (per rank, ``T`` = one local ``[b, s, h, d]`` fp32 tensor; docs/benchmarks.md has the
+    measurements): backward keeps only the caller's q, k, v, the returned output and the fp32 lse
+    (no format copies; converted copies would be three more ``T`` alive from forward to backward,
+    and two more for dout and out in backward); dQ, dK and dV accumulate in place in fp32
+    buffers that are returned as the gradients (fp32 inputs); the arriving dK/dV accumulators are
+    waited for *before* the step's kernels, so the ones sent the step before are freed first
+    (the dK/dV transfer then overlaps with the K/V wait, not the kernels); each kernel call's
+    gradients are added and dropped at once, its heads split in two halves
+    (:func:`striped_sp.step.head_splits`); a visiting K/V block is dropped once passed on."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel,
@@ -53,8 +64,7 @@ class _RingAttention(torch.autograd.Function):
         fmt = "bshd" if mask is not None else kernel.tensor_format
         aligned = strict_block == "aligned"
         qn, k_cur, v_cur = (to_format(t, fmt) for t in (q, k, v))
-        acc = Accumulator(qn, masked=mask is not None, fmt=fmt)
-        k_own, v_own = k_cur, v_cur
+        acc = Accumulator(qn, masked=mask is not None, fmt=fmt, value_dim=v.size(-1))
         for step in range(n):
             transfer = ring.shift([k_cur, v_cur], f"forward step {step + 1} of {n} (keys/values)") \
                 if step < n - 1 else None
@@ -64,59 +74,55 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     for call in plans[step]:
                         kernel.forward_varlen(qn, k_cur, v_cur, call.segments, scale, acc.out, acc.lse)
+            k_cur = v_cur = None  # the copies: freed once sent on
             if transfer is not None:
                 k_cur, v_cur = transfer.wait()
+        del qn, k_cur, v_cur
         out = from_format(acc.out, fmt, q.dtype)  # [b, s, h, d], contiguous
-        ctx.save_for_backward(qn, k_own, v_own, out, acc.lse)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
-        ctx.grad_comm_dtype, ctx.fmt, ctx.aligned, ctx.timeout = grad_comm_dtype, fmt, aligned, timeout
+        ctx.grad_comm_dtype, ctx.aligned, ctx.timeout = grad_comm_dtype, aligned, timeout
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plans, masked, scale, kernel, fmt = ctx.plans, ctx.masked, ctx.scale, ctx.kernel, ctx.fmt
+        q, k, v, out, lse = ctx.saved_tensors  # [b, s, h, d]: the caller's q, k, v; out as returned
+        plans, masked, scale, kernel = ctx.plans, ctx.masked, ctx.scale, ctx.kernel
         ring = Ring(ctx.group, ctx.timeout)
         n = ring.world_size
-        dout, out = to_format(dout, fmt), to_format(out, fmt)  # out was saved as returned (no second copy kept)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         k_cur, v_cur = k, v
         dkv_transfer = None
         for step in range(n):
             kv_transfer = ring.shift([k_cur, v_cur], f"backward step {step + 1} of {n} (keys/values)") \
                 if step < n - 1 else None
-            block_grads = []
             with _settle_on_error(kv_transfer, dkv_transfer):
-                if masked:
-                    # varlen calls add dQ in place and this block's dK / dV into fresh buffers
-                    if plans[step]:
-                        dk_b = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                        dv_b = torch.zeros_like(dk_b)
-                        for call in plans[step]:
-                            kernel.backward_varlen(dout, q, k_cur, v_cur, out, lse, call.segments, scale,
-                                                   dq, dk_b, dv_b)
-                        block_grads.append((slice(None), dk_b, dv_b))
+                # this block's fp32 dK/dV accumulators: fresh for our own block, else the ones
+                # arriving with it (accumulated in fp32 whatever the travel dtype)
+                if dkv_transfer is None:
+                    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
                 else:
-                    block_grads = backward_step(kernel, dout, q, k_cur, v_cur, out, lse, plans[step], scale, dq,
-                                                fmt, ctx.aligned)
-            # The dK/dV accumulator of this block arrives while the kernels above ran.
-            if dkv_transfer is None:
-                dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            else:  # accumulate in fp32 whatever the travel dtype
-                dk_acc, dv_acc = (t.float() for t in dkv_transfer.wait())
-            for kv_rows, dk_b, dv_b in block_grads:
-                seq_slice(dk_acc, kv_rows, fmt).add_(dk_b)
-                seq_slice(dv_acc, kv_rows, fmt).add_(dv_b)
+                    dk_acc, dv_acc = (t.float() for t in dkv_transfer.wait())
+                    dkv_transfer = None
+                if masked:  # varlen calls add into dq, dk_acc, dv_acc in place
+                    for call in plans[step]:
+                        kernel.backward_varlen(dout, q, k_cur, v_cur, out, lse, call.segments, scale,
+                                               dq, dk_acc, dv_acc)
+                else:
+                    backward_step(kernel, dout, q, k_cur, v_cur, out, lse, plans[step], scale, dq, "bshd",
+                                  ctx.aligned, dk=dk_acc, dv=dv_acc, split_heads=True)
+            k_cur = v_cur = None  # a visiting block: freed once sent on
             if n > 1:
                 dkv_transfer = ring.shift([dk_acc.to(ctx.grad_comm_dtype), dv_acc.to(ctx.grad_comm_dtype)],
                                           f"backward step {step + 1} of {n} (dK/dV)")
+                dk_acc = dv_acc = None
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()
         if dkv_transfer is not None:
             dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
-        dq, dk, dv = (from_format(g, fmt, t.dtype) for g, t in ((dq, q), (dk_acc, k), (dv_acc, v)))
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype),
+                None, None, None, None, None, None, None, None, None)
 
 
 def _plans(layout: Layout, mask: MaskSpec | None, causal: bool, n: int, rank: int, local_len: int) -> list:
@@ -138,8 +144,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
         raise ValueError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes must match, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must match in batch, s_local and kv heads, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)} (only the head dim may differ)")
+    if v.size(3) == 0:
+        raise ValueError(f"v has shape {tuple(v.shape)}: its head dim must be positive")
     if q.size(0) != k.size(0):
         raise ValueError(f"batch sizes differ: q has {q.size(0)}, k and v have {k.size(0)}")
     if q.size(3) != k.size(3):
@@ -186,12 +195,19 @@ def ring_attention(
     ulysses_groups: tuple | None = None,
     grad_comm_dtype: torch.dtype | None = None,
     timeout: float | None = None,
+    stripe_size: int | None = None,
+    doc_placement=None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
     Args:
         q: ``[batch, s_local, heads, head_dim]``, this rank's queries (float16/bfloat16/float32).
-        k, v: ``[batch, s_local, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads``.
+        k, v: ``[batch, s_local, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads``.  v may
+            have its own head dim ``v_head_dim`` (multi-latent attention); a kernel that needs one
+            head dim (:attr:`~striped_sp.kernels.Kernel.native_value_head_dim` false: PyTorch's
+            fused ops, flash-attn 2) gets v zero-padded to q/k's at ring entry (or q and k to v's
+            when v's is larger) and the output sliced back: exact, at the price of the padded
+            columns travelling the ring.
         group: the context-parallel process group (default: the default group).
         layout: ``"striped"``, ``"zigzag"`` or ``"contiguous"``: how tokens were sharded
             (see :func:`striped_sp.shard`).
@@ -220,6 +236,11 @@ def ring_attention(
             Megatron's hierarchical CP groups; ``outer=None`` with ``inner`` = ``group``: pure
             Ulysses.
 
+        stripe_size, doc_placement: parameters of the striped layout (also accepted in the name,
+            ``layout="striped:stripe=128,place=auto"``): tokens dealt in stripes of ``stripe_size``,
+            and with ``cu_seqlens`` documents kept whole on one rank (``"auto"`` or an int, the
+            longest whole document) or striped (``"split"``, the default); see
+            :mod:`striped_sp.placement`.  Shard with the same parameters.
         grad_comm_dtype: the dtype dK/dV travel the ring in during backward (default float32:
             every hop adds in fp32, so the error does not grow with the ring size); bfloat16 or
             float16 halve those bytes at the cost of one rounding per hop (docs/benchmarks.md,
@@ -230,7 +251,7 @@ def ring_attention(
             tensors (gloo); on CUDA the process group's own timeout applies.
 
     Returns:
-        ``[batch, s_local, heads, head_dim]`` in ``q.dtype``: the rows of the full attention that
+        ``[batch, s_local, heads, v_head_dim]`` in ``q.dtype``: the rows of the full attention that
         belong to the local queries.  Differentiable in ``q``, ``k`` and ``v``.
 
     Every argument is checked before any message is sent; bad ones raise ``ValueError``.
@@ -249,12 +270,13 @@ def ring_attention(
     check_ranks = check_ranks_enabled()
     ring_to = ring_timeout(timeout)
     try:
-        lay = get_layout(layout)
+        lay = get_layout(layout, stripe_size, doc_placement)
         _check_inputs(q, k, v, lay)
-        kernel = resolve_kernel(backend, q.device, q.dtype, q.size(-1), deterministic=bool(deterministic))
+        call_dim = max(q.size(-1), v.size(-1))  # the kernels' head dim once padded (MLA)
+        kernel = resolve_kernel(backend, q.device, q.dtype, call_dim, deterministic=bool(deterministic))
         gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
         strict_block = strict_block_mode(
-            kernel, q.device, q.dtype, q.size(-1), applies=lay.name == "striped" and bool(causal)
+            kernel, q.device, q.dtype, call_dim, applies=lay.name == "striped" and lay.dense_plans and bool(causal)
             and cu_seqlens is None and window_size is None and ulysses_size == 1 and ulysses_groups is None)
         comm = torch.float32 if grad_comm_dtype is None else grad_comm_dtype
         if comm not in (torch.float32, torch.bfloat16, torch.float16):
@@ -294,9 +316,12 @@ def ring_attention(
     if check_ranks:
         _check_consistent_across_ranks(q, k, v, lay, bool(causal), scale, group, mask, u if hierarchical else 1,
                                        kernel, comm, bool(deterministic), ring_to)
+    value_dim = v.size(-1)
+    q, k, v = _equal_head_dims(q, k, v, kernel)
     if not hierarchical:
-        return _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask, comm, strict_block,
+        out = _RingAttention.apply(q, k, v, group, lay, bool(causal), scale, kernel, mask, comm, strict_block,
                                    ring_to)
+        return _value_columns(out, value_dim)
     inner, outer = ulysses_groups if ulysses_groups is not None else ulysses_ring_groups(
         [dist.get_process_group_ranks(group)], u)
     if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
@@ -304,12 +329,31 @@ def ring_attention(
     q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
     out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(lay, u), bool(causal), scale, kernel, mask, comm,
                                strict_block, ring_to)
-    return heads_to_seq(out, inner, u)
+    return _value_columns(heads_to_seq(out, inner, u), value_dim)
+
+
+def _equal_head_dims(q, k, v, kernel: Kernel):
+    """q, k, v with one head dim for a kernel without :attr:`~striped_sp.kernels.Kernel.native_value_head_dim`
+    (multi-latent attention): v zero-padded to q/k's head dim, or q and k to v's.  Exact: zero
+    columns of q and k add nothing to a score (the scale was fixed before), and zero columns of v
+    give zero output columns, which :func:`_value_columns` drops (autograd drops their gradient)."""
+    d, dv = q.size(-1), v.size(-1)
+    if d == dv or kernel.native_value_head_dim:
+        return q, k, v
+    if dv < d:
+        return q, k, F.pad(v, (0, d - dv))
+    return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v
+
+
+def _value_columns(out: torch.Tensor, value_dim: int) -> torch.Tensor:
+    """``out`` without the columns of a padded v (contiguous, as the ring returns it)."""
+    return out if out.size(-1) == value_dim else out[..., :value_dim].contiguous()
 
 
 def _make_mask(q, group, layout: Layout, causal: bool, cu_seqlens, window_size) -> MaskSpec | None:
-    """The checked mask, or ``None`` when it is the plain (causal or full) one."""
-    if cu_seqlens is None and window_size is None:
+    """The checked mask, or ``None`` when it is the plain (causal or full) one and the layout has
+    dense plans for it."""
+    if cu_seqlens is None and window_size is None and layout.dense_plans:
         return None
     if cu_seqlens is not None and q.size(0) != 1:
         raise ValueError(
@@ -319,7 +363,7 @@ def _make_mask(q, group, layout: Layout, causal: bool, cu_seqlens, window_size) 
     n = dist.get_world_size(group)
     mask = make_mask(q.size(1) * n, n, layout, cu_seqlens, window_size, causal)
     plain = mask.bounds == (0, mask.seq_len) and mask.left == -1 and mask.right == (0 if causal else -1)
-    return None if plain else mask
+    return None if plain and layout.dense_plans else mask
 
 
 def striped_attention(q, k, v, group=None, **kwargs) -> torch.Tensor:

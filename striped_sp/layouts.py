@@ -110,23 +110,40 @@ class Layout:
         """Position step between consecutive local tokens inside one run."""
         return 1
 
+    #: True when :meth:`causal_plan` covers the unmasked ring (else the ring runs masked plans)
+    dense_plans: bool = True
+
     def runs(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None):
         """This rank's tokens as runs ``(local_start, first_position, count)`` of step
-        :meth:`stride`, in local order (positions increase along the local index): a list of
-        triples or an int64 tensor ``[runs, 3]``."""
+        :meth:`stride`, or ``(local_start, first_position, count, step)`` with a step of their own,
+        in local order: a list of tuples or an int64 tensor ``[runs, 3 or 4]``.  Positions
+        increase along each run; a layout that places whole documents (:class:`Striped` with a
+        ``doc_placement``) lists its runs out of global order."""
         raise NotImplementedError
 
+    def run_table(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> torch.Tensor:
+        """:meth:`runs` as an int64 tensor ``[runs, 4]``: local start, first position, count, step."""
+        runs = torch.as_tensor(self.runs(seq_len, world_size, rank, cu_seqlens), dtype=torch.int64)
+        if runs.numel() == 0:
+            return torch.zeros(0, 4, dtype=torch.int64)
+        if runs.dim() == 1:
+            runs = runs.view(1, -1)
+        if runs.size(1) == 3:
+            runs = torch.cat([runs, torch.full((runs.size(0), 1), self.stride(world_size), dtype=torch.int64)], 1)
+        return runs
+
     def positions(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> torch.Tensor:
-        """Global positions (int64, increasing, length ``seq_len // world_size``) of rank's tokens.
+        """Global positions (int64, length ``seq_len // world_size``) of rank's tokens, in local
+        order (increasing, except where a layout places whole documents).
 
         ``cu_seqlens`` (document boundaries of the packed row, a list of ints) changes the
-        positions of ``zigzag`` only."""
+        positions of ``zigzag`` and of a striped layout with a ``doc_placement``."""
         self.check_seq_len(seq_len, world_size)
-        runs = torch.as_tensor(self.runs(seq_len, world_size, rank, cu_seqlens), dtype=torch.int64).view(-1, 3)
+        runs = self.run_table(seq_len, world_size, rank, cu_seqlens)
         count = runs[:, 2]
         run = torch.repeat_interleave(torch.arange(runs.size(0)), count)
         offset = torch.arange(run.numel()) - (torch.cumsum(count, 0) - count)[run]
-        return runs[run, 1] + self.stride(world_size) * offset
+        return runs[run, 1] + runs[run, 3] * offset
 
     def causal_plan(self, rank: int, source: int, world_size: int, local_len: int) -> list[BlockCall]:
         raise NotImplementedError
@@ -185,15 +202,50 @@ class Zigzag(Layout):
 
 
 class Striped(Layout):
+    """Rank ``r`` holds tokens ``r, r+N, r+2N, ...`` (``stripe_size=1``), or stripes of
+    ``stripe_size`` tokens dealt round-robin: stripe ``g`` (tokens ``g*s .. g*s+s-1``) goes to rank
+    ``g mod N``.  ``doc_placement`` (packed rows, :mod:`striped_sp.placement`): ``"split"`` stripes
+    every document over all ranks; ``"auto"`` or an int ``L`` keeps documents of at most ``L``
+    tokens (``"auto"``: a length the cost model picks) whole on one rank, dealt by a balancing
+    solver, and stripes the rest."""
+
     name = "striped"
 
+    def __init__(self, stripe_size: int = 1, doc_placement="split"):
+        from .placement import check_placement
+
+        if not isinstance(stripe_size, int) or isinstance(stripe_size, bool) or stripe_size < 1:
+            raise ValueError(f"stripe_size={stripe_size!r} must be a positive int")
+        self.stripe_size = stripe_size
+        self.doc_placement = check_placement(doc_placement)
+        self.placed = self.doc_placement != "split"
+        # whole documents fill each rank up to S/N, so only a plain striped row needs S % (N*s) == 0
+        self.seq_multiple = 1 if self.placed else stripe_size
+        self.dense_plans = stripe_size == 1
+
+    @property
+    def key(self) -> str:
+        params = []
+        if self.stripe_size != 1:
+            params.append(f"stripe={self.stripe_size}")
+        if self.placed:
+            params.append(f"place={self.doc_placement}")
+        return self.name + (":" + ",".join(params) if params else "")
+
     def stride(self, world_size):
-        return world_size
+        return world_size if self.stripe_size == 1 else 1
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
-        return [(0, rank, seq_len // world_size)]
+        if self.stripe_size == 1 and (not self.placed or cu_seqlens is None):
+            return [(0, rank, seq_len // world_size)]
+        from .placement import placed_runs
+
+        bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
+        return placed_runs(bounds, world_size, self.stripe_size, self.doc_placement)[rank]
 
     def causal_plan(self, rank, source, world_size, local_len):
+        if self.stripe_size != 1:
+            raise NotImplementedError("striped with stripe_size > 1 runs the engine's masked plans")
         # Key b of `source` sits at b*N + source, query a of `rank` at a*N + rank.
         if source <= rank:
             return [BlockCall(_ALL, _ALL, True)]  # b <= a
@@ -207,16 +259,48 @@ class Striped(Layout):
 LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (Striped, Zigzag, Contiguous)}
 
 
-def get_layout(layout: str | Layout) -> Layout:
-    """The :class:`Layout` named ``layout`` (or ``layout`` itself); ``ValueError`` if unknown."""
+def _parse_params(text: str) -> dict:
+    """``"stripe=128,place=auto"`` -> ``{"stripe_size": 128, "doc_placement": "auto"}``."""
+    names = {"stripe": "stripe_size", "place": "doc_placement"}
+    params = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep or key.strip() not in names:
+            raise ValueError(f"layout parameter {item!r}: expected stripe=<int> or place=split|auto|<int>")
+        val = val.strip()
+        params[names[key.strip()]] = int(val) if val.lstrip("-").isdigit() else val
+    return params
+
+
+def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placement=None) -> Layout:
+    """The :class:`Layout` named ``layout`` (or ``layout`` itself); ``ValueError`` if unknown.
+
+    A striped layout takes parameters, in the name (``"striped:stripe=128,place=auto"``, what
+    :attr:`Layout.key` prints) or as arguments (``stripe_size``, ``doc_placement``; ``None``: keep
+    the name's or the default)."""
     if isinstance(layout, Layout):
-        return layout
-    try:
-        return LAYOUTS[layout]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}"
-        ) from None
+        if stripe_size is None and doc_placement is None:
+            return layout
+        base, params = layout, {}
+        if isinstance(layout, Striped):
+            params = {"stripe_size": layout.stripe_size, "doc_placement": layout.doc_placement}
+    else:
+        if not isinstance(layout, str):
+            raise ValueError(f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}")
+        name, _, rest = layout.partition(":")
+        if name not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}")
+        base, params = LAYOUTS[name], _parse_params(rest)
+        if params and name != "striped":
+            raise ValueError(f"layout {layout!r}: only 'striped' takes stripe / place parameters")
+    given = {k: v for k, v in (("stripe_size", stripe_size), ("doc_placement", doc_placement)) if v is not None}
+    if given and not isinstance(base, Striped):
+        raise ValueError(f"stripe_size / doc_placement ({given}) apply to layout 'striped' only, not {base.name!r}")
+    params.update(given)
+    if not isinstance(base, Striped) or all(params.get(k, d) == d for k, d in (("stripe_size", 1),
+                                                                               ("doc_placement", "split"))):
+        return base if not isinstance(base, Striped) else LAYOUTS["striped"]
+    return Striped(**params)
 
 
 def _check_rank(world_size: int, rank: int) -> None:
@@ -224,31 +308,36 @@ def _check_rank(world_size: int, rank: int) -> None:
         raise ValueError(f"rank={rank} must satisfy 0 <= rank < world_size={world_size}")
 
 
-def positions(seq_len: int, world_size: int, rank: int, layout: str = "striped", cu_seqlens=None) -> torch.Tensor:
-    """Global positions (int64, increasing) of the tokens that ``rank`` holds under ``layout``.
+def positions(seq_len: int, world_size: int, rank: int, layout: str = "striped", cu_seqlens=None,
+              stripe_size: int | None = None, doc_placement=None) -> torch.Tensor:
+    """Global positions (int64) of the tokens that ``rank`` holds under ``layout``, in local order
+    (increasing unless whole documents are placed).
 
     ``cu_seqlens``: document boundaries of a packed row (see :func:`striped_sp.ring_attention`);
-    it changes only ``zigzag`` (per-document chunks, every document a multiple of ``2N`` long)."""
+    it changes ``zigzag`` (per-document chunks, every document a multiple of ``2N`` long) and a
+    striped layout with ``doc_placement``.  ``stripe_size`` / ``doc_placement``: see
+    :class:`Striped`."""
     from .masks import check_cu_seqlens
 
-    lay = get_layout(layout)
+    lay = get_layout(layout, stripe_size, doc_placement)
     _check_rank(world_size, rank)
     bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len, world_size, lay)
     return lay.positions(seq_len, world_size, rank, bounds)
 
 
 def shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1, layout: str = "striped",
-          cu_seqlens=None) -> torch.Tensor:
+          cu_seqlens=None, stripe_size: int | None = None, doc_placement=None) -> torch.Tensor:
     """The part of ``x`` that ``rank`` holds: ``x.index_select(dim, positions(...))``."""
-    idx = positions(x.size(dim), world_size, rank, layout, cu_seqlens).to(x.device)
+    idx = positions(x.size(dim), world_size, rank, layout, cu_seqlens, stripe_size, doc_placement).to(x.device)
     return x.index_select(dim, idx)
 
 
-def unshard(shards: Sequence[torch.Tensor], dim: int = 1, layout: str = "striped", cu_seqlens=None) -> torch.Tensor:
+def unshard(shards: Sequence[torch.Tensor], dim: int = 1, layout: str = "striped", cu_seqlens=None,
+            stripe_size: int | None = None, doc_placement=None) -> torch.Tensor:
     """The full tensor from every rank's shard, in rank order (the inverse of :func:`shard`)."""
     if len(shards) == 0:
         raise ValueError("unshard needs at least one shard, got an empty list")
-    lay = get_layout(layout)
+    lay = get_layout(layout, stripe_size, doc_placement)
     world_size = len(shards)
     local = shards[0].size(dim)
     for r, s in enumerate(shards):

@@ -226,7 +226,7 @@ class SegmentCall:
         return self.entries
 
 
-def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
     return -torch.div(-a, b, rounding_mode="floor")
 
 
@@ -247,11 +247,11 @@ def _as_index(rows: torch.Tensor) -> slice | torch.Tensor:
 
 
 def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
-    """This rank's runs cut at document bounds: ``(doc, local_start, first_pos, count)`` int64."""
-    stride = layout.stride(world_size)
-    runs = torch.as_tensor(layout.runs(spec.seq_len, world_size, rank, spec.bounds), dtype=torch.int64).view(-1, 3)
+    """This rank's runs cut at document bounds: ``(doc, local_start, first_pos, count, step)`` int64.
+    The pieces of one document share one step (a document is striped, or whole, everywhere)."""
+    runs = layout.run_table(spec.seq_len, world_size, rank, spec.bounds)
     runs = runs[runs[:, 2] > 0]
-    local0, pos0, count = runs.t().contiguous().unbind(0)
+    local0, pos0, count, stride = runs.t().contiguous().unbind(0)
     starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
     ends = torch.tensor(spec.bounds[1:], dtype=torch.int64)
     d0 = torch.searchsorted(starts, pos0, right=True) - 1
@@ -259,33 +259,34 @@ def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
     reps = d1 - d0 + 1
     run = torch.repeat_interleave(torch.arange(runs.size(0)), reps)
     doc = d0[run] + (torch.arange(int(reps.sum())) - (torch.cumsum(reps, 0) - reps)[run])
-    a0 = torch.clamp(_ceil_div(starts[doc] - pos0[run], stride), min=0)
-    a1 = torch.minimum(_ceil_div(ends[doc] - pos0[run], stride), count[run])
+    step = stride[run]
+    a0 = torch.clamp(_ceil_div(starts[doc] - pos0[run], step), min=0)
+    a1 = torch.minimum(_ceil_div(ends[doc] - pos0[run], step), count[run])
     keep = a1 > a0
-    a0, a1, doc, run = a0[keep], a1[keep], doc[keep], run[keep]
+    a0, a1, doc, run, step = a0[keep], a1[keep], doc[keep], run[keep], step[keep]
     local = local0[run] + a0
     # by document, then local start: block_plan pairs pieces by document (a grouped layout lists
     # its members' runs one member after another, each member's documents in order)
     order = torch.argsort(doc * (int(local.max()) + 1 if local.numel() else 1) + local)
-    return doc[order], local[order], (pos0[run] + a0 * stride)[order], (a1 - a0)[order]
+    return doc[order], local[order], (pos0[run] + a0 * step)[order], (a1 - a0)[order], step[order]
 
 
 def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, pieces=None) -> list[SegmentCall]:
     """The varlen calls that cover exactly the visible entries of queries on ``rank`` against
     keys from ``source`` (local indices); ``[]`` when nothing is visible.  ``pieces``: an optional
     cache ``{rank: pieces}`` shared by the blocks of one ring."""
-    stride = layout.stride(world_size)
     pieces = {} if pieces is None else pieces
     for r in (rank, source):
         if r not in pieces:
             pieces[r] = _pieces(layout, spec, world_size, r)
-    qd, ql, qp, qn = pieces[rank]
-    kd, kl, kp, kn = pieces[source]
+    qd, ql, qp, qn, qs = pieces[rank]
+    kd, kl, kp, kn, _ = pieces[source]
     first = torch.searchsorted(kd, qd)
     reps = torch.searchsorted(kd, qd, right=True) - first
     qi = torch.repeat_interleave(torch.arange(qd.numel()), reps)
     nth = torch.arange(qi.numel()) - (torch.cumsum(reps, 0) - reps)[qi]
     ki = first[qi] + nth
+    stride = qs[qi]
     dist = qp[qi] - kp[ki]
     hi = (torch.div(dist + spec.right, stride, rounding_mode="floor") if spec.right >= 0
           else torch.full_like(dist, INF))
@@ -326,7 +327,7 @@ def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int) -> list[list[
     """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``).
 
     Cached (LRU of 16) on the layout, mask, ring size and rank: every layer of a step reuses it."""
-    key = (layout.name, spec, world_size, rank)
+    key = (layout.key, spec, world_size, rank)
     with _CACHE_LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)

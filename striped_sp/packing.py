@@ -90,12 +90,12 @@ def pad_documents(cu_seqlens, world_size: int, layout: str = "zigzag") -> Padded
 
 
 def document_positions(seq_len: int, world_size: int, rank: int, layout: str = "striped",
-                       cu_seqlens=None) -> torch.Tensor:
+                       cu_seqlens=None, stripe_size: int | None = None, doc_placement=None) -> torch.Tensor:
     """RoPE positions of ``rank``'s tokens on a packed row: ``position - start of its document``
     (int64, in local order).  Without ``cu_seqlens`` these are the global positions."""
     from .layouts import positions
 
-    pos = positions(seq_len, world_size, rank, layout, cu_seqlens)
+    pos = positions(seq_len, world_size, rank, layout, cu_seqlens, stripe_size, doc_placement)
     if cu_seqlens is None:
         return pos
     bounds = torch.tensor(check_cu_seqlens(cu_seqlens, seq_len, world_size, get_layout(layout)), dtype=torch.int64)

@@ -38,6 +38,11 @@ class GroupedLayout(Layout):
         self.base, self.u = base, u
         self.name = f"{base.name}/u{u}"
         self.seq_multiple = base.seq_multiple
+        self.dense_plans = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.base.key}/u{self.u}"
 
     def check_seq_len(self, seq_len, world_size):
         self.base.check_seq_len(seq_len, world_size * self.u)
@@ -50,8 +55,7 @@ class GroupedLayout(Layout):
         local = seq_len // n_base
         parts = []
         for j in range(self.u):
-            runs = torch.as_tensor(self.base.runs(seq_len, n_base, rank * self.u + j, cu_seqlens),
-                                   dtype=torch.int64).view(-1, 3).clone()
+            runs = self.base.run_table(seq_len, n_base, rank * self.u + j, cu_seqlens).clone()
             runs[:, 0] += j * local
             parts.append(runs)
         return torch.cat(parts)

@@ -1,0 +1,177 @@
+"""Stripe sizes and whole-document placement (striped_sp.placement): the placement itself (every
+token exactly once, S/N per rank, documents whole where asked, balance), and ring_attention with
+every stripe size and placement on 1 to 4 gloo ranks against an independent float64 reference
+(forward and every gradient), with short documents, windows, GQA and Ulysses."""
+
+import random
+
+import pytest
+import torch
+
+import striped_sp
+from dist_helper import CaseTable, cp_group
+from reference import reference_attention, sharded_errors
+from striped_sp.layouts import get_layout
+from striped_sp.placement import choose_whole_max, placed_runs
+
+SEED = 1812
+SCALE = 0.37  # not head_dim ** -0.5: a dropped scale fails
+
+
+def _bounds(lengths):
+    out = [0]
+    for x in lengths:
+        out.append(out[-1] + x)
+    return out
+
+
+def _random_lengths(rng, total, short):
+    lengths = []
+    while sum(lengths) < total:
+        pick = rng.randint(1, 3) if short and rng.random() < 0.5 else rng.randint(1, max(1, total // 3))
+        lengths.append(min(pick, total - sum(lengths)))
+    return lengths
+
+
+# -- the placement, on one process ---------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["striped:stripe=3", "striped:place=auto", "striped:place=20",
+                                  "striped:stripe=4,place=auto", "striped:place=1"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_positions_are_a_permutation(spec, n):
+    rng = random.Random(SEED + n)
+    seq = 24 * n * (3 if "stripe=3" in spec else 4 if "stripe=4" in spec else 1)
+    bounds = _bounds(_random_lengths(rng, seq, short=True))
+    lay = get_layout(spec)
+    parts = [lay.positions(seq, n, r, bounds) for r in range(n)]
+    assert all(p.numel() == seq // n for p in parts)
+    assert torch.equal(torch.cat(parts).sort().values, torch.arange(seq))
+    x = torch.randn(2, seq, 3)
+    shards = [striped_sp.shard(x, n, r, layout=spec, cu_seqlens=bounds) for r in range(n)]
+    assert torch.equal(striped_sp.unshard(shards, layout=spec, cu_seqlens=bounds), x)
+
+
+def test_whole_documents_stay_on_one_rank_and_balance():
+    rng = random.Random(SEED)
+    n, seq = 8, 8 * 2048
+    lengths = [max(1, int(rng.lognormvariate(5.5, 1.0))) for _ in range(400)]
+    bounds = [b for b in _bounds(lengths) if b < seq] + [seq]
+    tables = placed_runs(tuple(bounds), n, 1, 300)
+    owner = {}
+    for r, t in enumerate(tables):
+        assert int(t[:, 2].sum()) == seq // n
+        for _, first, count, step in t.tolist():
+            if step == 1:
+                owner.setdefault(first, set()).add(r)
+    docs = list(zip(bounds[:-1], bounds[1:]))
+    whole = [(a, b) for a, b in docs if b - a <= 300]
+    kept = sum(1 for a, b in whole if owner.get(a) and len(owner[a]) == 1)
+    assert kept >= len(whole) - n, "all but the few cut documents stay whole"
+    # balance: each rank's whole-document work within 10% of the mean
+    work = [sum(c * c for _, _, c, s in t.tolist() if s == 1) for t in tables]
+    assert max(work) <= 1.1 * sum(work) / n, work
+
+
+def test_auto_keeps_short_documents_whole_and_splits_a_dense_row():
+    n, seq = 8, 8 * 4096
+    short = _bounds([256] * (seq // 256))
+    assert choose_whole_max(short, n) >= 256
+    assert choose_whole_max([0, seq], n) < seq // n  # one long document: striped
+
+
+def test_bad_parameters_are_value_errors():
+    with pytest.raises(ValueError, match="stripe_size=0"):
+        get_layout("striped", stripe_size=0)
+    with pytest.raises(ValueError, match="doc_placement='whole'"):
+        get_layout("striped", doc_placement="whole")
+    with pytest.raises(ValueError, match="only 'striped'"):
+        get_layout("zigzag:stripe=4")
+    with pytest.raises(ValueError, match="apply to layout 'striped' only"):
+        get_layout("contiguous", stripe_size=4)
+    with pytest.raises(ValueError, match="layout parameter"):
+        get_layout("striped:tile=4")
+    with pytest.raises(ValueError, match="stripe_size=10"):  # one 30-token document in stripes of 10: 20 / 10
+        striped_sp.positions(30, 2, 0, layout="striped:stripe=10,place=1", cu_seqlens=[0, 30])
+    with pytest.raises(ValueError, match="multiple of"):
+        striped_sp.positions(36, 2, 0, layout="striped:stripe=4")
+
+
+# -- ring_attention on gloo ranks -----------------------------------------------------------------
+
+HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+
+
+def check_placed(n, layout, heads, seed, local_len, docs, window, ulysses=1, backend="auto"):
+    group, rank = cp_group(n)
+    rng = random.Random(seed)
+    seq = local_len * n
+    bounds = None if docs is None else _bounds(_random_lengths(rng, seq, docs == "short"))
+    h, kvh = HEADS[heads]
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(1, seq, h, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, seq, kvh, 16, generator=gen) for _ in range(2))
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, True, SCALE, bounds, window)
+    (ref * dout.double()).sum().backward()
+
+    def sh(t):
+        return striped_sp.shard(t, n, rank, layout=layout, cu_seqlens=bounds)
+
+    ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+    out = striped_sp.ring_attention(ql, kl, vl, group, layout=layout, softmax_scale=SCALE, backend=backend,
+                                    cu_seqlens=cu, window_size=window, ulysses_size=ulysses)
+    (out * sh(dout)).sum().backward()
+    errs = sharded_errors(out, (ql, kl, vl), ref, (qr, kr, vr), sh)
+    bad = {name: e for name, e in errs.items() if not e < 1e-5}
+    assert not bad, f"{layout} seed={seed} bounds={bounds} window={window}: errors above 1e-5: {bad}"
+
+
+def check_keyword_parameters(n, seed):
+    """stripe_size= / doc_placement= keywords equal the parameters in the name."""
+    group, rank = cp_group(n)
+    bounds = [0, 5, 6, 30, 31, 40 * n]
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 40 * n, 2, 8, generator=gen) for _ in range(3))
+    kw = dict(cu_seqlens=bounds, stripe_size=2, doc_placement=8)
+    ql, kl, vl = (striped_sp.shard(t, n, rank, **kw) for t in (q, k, v))
+    a = striped_sp.ring_attention(ql, kl, vl, group, **kw)
+    b = striped_sp.ring_attention(ql, kl, vl, group, layout="striped:stripe=2,place=8", cu_seqlens=bounds)
+    assert torch.equal(a, b)
+
+
+def _cases(world):
+    sizes = {4: [4, 2, 1], 3: [3]}[world]
+    cases = []
+    for n in sizes:
+        for i, layout in enumerate(["striped:stripe=2", "striped:stripe=4", "striped:place=auto",
+                                    "striped:place=6", "striped:stripe=2,place=auto", "striped:stripe=3,place=10"]):
+            s = SEED + 100 * n + 10 * i
+            stripe = int(layout.split("stripe=")[1].split(",")[0]) if "stripe=" in layout else 1
+            ll = 12 * stripe
+            specs = [
+                ("docs-short", "gqa", ll, "short", None),
+                ("docs-mixed", "mha", 2 * ll, "mixed", None),
+                ("docs-window", "gqa", 2 * ll, "short", (3, 0)),
+                ("docs-window-wide", "mha", 2 * ll, "mixed", (17, 0)),
+                ("dense", "gqa", ll, None, None),
+                ("dense-window", "mha", ll, None, (5, 0)),
+                ("long-docs", "gqa", 150, "mixed", None) if 150 % stripe == 0 else ("long-docs", "gqa", 144, "mixed", None),
+            ]
+            for j, (name, heads, local_len, docs, window) in enumerate(specs):
+                cases.append((f"N{n}-{layout}-{name}", check_placed, (n, layout, heads, s + j, local_len, docs, window)))
+            cases.append((f"N{n}-{layout}-math", check_placed, (n, layout, "gqa", s + 9, ll, "short", (4, 0), 1, "math")))
+            if n == 4:
+                cases.append((f"N{n}-{layout}-ulysses2", check_placed,
+                              (n, layout, "gqa", s + 8, 2 * ll, "mixed", None, 2)))
+        cases.append((f"N{n}-keywords", check_keyword_parameters, (n, SEED + n)))
+    return cases
+
+
+CASES = CaseTable({world: _cases(world) for world in (4, 3)})
+
+
+@pytest.mark.parametrize("world, name", CASES.params())
+def test_placed_against_float64_reference(world, name):
+    err = CASES.result(world, name)
+    assert err is None, err
