@@ -171,7 +171,8 @@ def pack_rows(batch: Mapping[str, Any], docs: RowDocuments, world_size: int, lay
     Real tokens of every row go back to back (padding dropped); ``pad_documents`` pads the row for
     ``layout`` on ``world_size`` ranks.  Returns the batch (``shift_labels`` shifted inside
     documents, ``ignore_index`` on padding; ``position_ids`` restarting at 0 per padded document;
-    ``cu_seq_lens_q/k`` int32 and ``max_length_q/k`` of the padded row; no ``attention_mask`` and no
+    ``cu_seq_lens_q/k`` int32 and ``max_length_q/k`` of the padded row; TRL's ``seq_idx``, if given,
+    rebuilt as the document index of every token of the padded row; no ``attention_mask`` and no
     ``labels``) and the :class:`~striped_sp.packing.PaddedDocuments` (its ``cu_seqlens`` are the
     boundaries to shard with).  Nothing is sharded here."""
     ids = batch["input_ids"]
@@ -197,7 +198,7 @@ def pack_rows(batch: Mapping[str, Any], docs: RowDocuments, world_size: int, lay
         shifted[:, torch.tensor(bounds[1:]) - 1] = ignore_index
     elif batch.get("labels") is not None:
         shifted = shift_within_documents(flat(batch["labels"]), bounds, ignore_index)
-    skip = {"attention_mask", "position_ids", "labels", "shift_labels", *CU_KEYS, *MAX_KEYS}
+    skip = {"attention_mask", "position_ids", "labels", "shift_labels", "seq_idx", *CU_KEYS, *MAX_KEYS}
     for key, value in batch.items():
         if key in skip:
             continue
@@ -208,6 +209,10 @@ def pack_rows(batch: Mapping[str, Any], docs: RowDocuments, world_size: int, lay
     if shifted is not None:
         out["shift_labels"] = padded.pad(shifted, dim=1, value=ignore_index)
     out["position_ids"] = _per_document_positions(padded, ids.device)
+    if batch.get("seq_idx") is not None:  # TRL's document index per token, of the padded row
+        sizes = padded.cu_seqlens[1:] - padded.cu_seqlens[:-1]
+        doc = torch.repeat_interleave(torch.arange(sizes.numel(), dtype=torch.int32), sizes)
+        out["seq_idx"] = doc.unsqueeze(0).to(device=ids.device, dtype=batch["seq_idx"].dtype)
     cu = padded.cu_seqlens.to(device=ids.device, dtype=torch.int32)
     longest = int((padded.cu_seqlens[1:] - padded.cu_seqlens[:-1]).max())
     out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)

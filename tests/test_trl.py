@@ -1,0 +1,198 @@
+"""TRL's ``SFTTrainer`` with packing / padding-free batches at SP=2 (``--deepspeed`` JSON), on 2 gloo ranks.
+
+The reference is a *plain* transformers model (eager attention, no plugin, none of our modules) on
+one process that runs every document on its own (per-document SP=1): per optimizer step the summed
+next-token losses of the step's documents over the step's target count, SGD and the same clipping.
+``ContextParallelSFTTrainer`` must log the same loss and the same pre-clip gradient norm at every
+step, and (padding-free case) the same evaluation loss.  The step's documents come from the
+trainer's prepared dataset (TRL's packing), read in order (``train_sampling_strategy="sequential"``).
+"""
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from dist_helper import check_case, run_cases
+from test_deepspeed_trainer import VOCAB, _ds_json, _setup, _tiny_llama
+
+pytest.importorskip("trl", reason="the TRL path needs trl: pip install 'striped_sp[deepspeed,trl]'")
+pytest.importorskip("datasets", reason="TRL's SFTTrainer needs datasets")
+
+WORLD = 2
+LR, CLIP = 0.5, 0.3
+
+
+def _tokenizer():
+    """A word-level tokenizer over the tiny vocabulary, built in memory (no hub)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
+def _documents(n, seed, longest):
+    """``n`` tokenized documents of 1..longest tokens (some shorter than the SP size)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (n,), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in lengths]})
+
+
+def _row_documents(row):
+    """The documents of one prepared row: split by TRL's ``seq_lengths`` when packed."""
+    ids = list(row["input_ids"])
+    out, start = [], 0
+    for k in row.get("seq_lengths") or [len(ids)]:
+        out.append(ids[start:start + k])
+        start += k
+    return out
+
+
+def _doc_loss_sum(model, doc):
+    """The summed next-token loss of one document on its own (plain eager model, SP=1)."""
+    if len(doc) < 2:
+        return torch.zeros(())
+    ids = torch.tensor([doc])
+    logits = model(input_ids=ids).logits[0, :-1].double()
+    return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+
+
+def _reference(rows, batch, ga):
+    """Per optimizer step of ``batch * ga`` prepared rows: (loss, pre-clip grad norm), per document."""
+    model = _tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for start in range(0, len(rows), batch * ga):
+        docs = [d for row in rows[start:start + batch * ga] for d in _row_documents(row)]
+        count = sum(len(d) - 1 for d in docs)
+        opt.zero_grad()
+        total = sum(_doc_loss_sum(model, d) for d in docs) / count
+        total.backward()
+        losses.append(float(total))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+    return model, losses, norms
+
+
+def _eval_reference(model, rows, batch):
+    """The Trainer's eval loss: the mean over micro-batches of each micro-batch's token mean."""
+    means = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch):
+            docs = [d for row in rows[start:start + batch] for d in _row_documents(row)]
+            means.append(float(sum(_doc_loss_sum(model, d) for d in docs) / sum(len(d) - 1 for d in docs)))
+    return sum(means) / len(means)
+
+
+def _config(out, batch, ga, **over):
+    from trl import SFTConfig
+
+    kw = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+              gradient_accumulation_steps=ga, learning_rate=LR, lr_scheduler_type="constant", optim="sgd",
+              max_grad_norm=CLIP, num_train_epochs=1, train_sampling_strategy="sequential", report_to=[],
+              logging_steps=1, save_strategy="no", deepspeed=_ds_json(2, 2), use_cpu=True, bf16=False,
+              gradient_checkpointing=False, dataloader_pin_memory=False, seed=0)
+    kw.update(over)
+    return SFTConfig(**kw)
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def _case_sft(name, batch, ga, n_docs, longest, **sft):
+    """SFTTrainer at SP=2 against the per-document reference: loss and grad norm of every step."""
+    from accelerate.state import AcceleratorState
+
+    from striped_sp.deepspeed.trl import ContextParallelSFTTrainer
+
+    AcceleratorState._reset_state(True)  # one trainer after another in this process
+    train = _documents(n_docs, seed=11, longest=longest)
+    dev = _documents(4, seed=12, longest=longest) if sft.get("padding_free") else None
+    out = os.path.join(os.environ["STRIPED_SP_TEST_TMP"], name)
+    trainer = ContextParallelSFTTrainer(model=_tiny_llama(attn="sdpa"), args=_config(out, batch, ga, **sft),
+                                        train_dataset=train, eval_dataset=dev, processing_class=_tokenizer())
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    if sft.get("packing"):
+        assert max(len(r["seq_lengths"]) for r in rows) > 1, "no row holds two documents"
+    ref, ref_losses, ref_norms = _reference(rows, batch, ga)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "grad_norm" in log]
+    got_losses, got_norms = [log["loss"] for log in logs], [log["grad_norm"] for log in logs]
+    assert len(logs) == len(ref_losses) >= 3 and min(ref_norms) > CLIP, (len(logs), ref_norms)
+    assert all(_rel(a, b) < 1e-4 for a, b in zip(got_losses, ref_losses)), (got_losses, ref_losses)
+    assert all(_rel(a, b) < 1e-4 for a, b in zip(got_norms, ref_norms)), (got_norms, ref_norms)
+    if dev is not None:
+        dev_rows = [trainer.eval_dataset[i] for i in range(len(trainer.eval_dataset))]
+        got, want = trainer.evaluate()["eval_loss"], _eval_reference(ref, dev_rows, batch)
+        assert _rel(got, want) < 1e-4, (got, want)
+
+
+def _case_errors():
+    """Settings that conflict with SP raise ValueError on every rank, before any collective."""
+    import torch.distributed as dist
+
+    from striped_sp.deepspeed.trl import ContextParallelSFTTrainer
+
+    out = os.path.join(os.environ["STRIPED_SP_TEST_TMP"], "bad")
+    train = _documents(4, seed=1, longest=6)
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1"):
+        ContextParallelSFTTrainer(model=_tiny_llama(), args=_config(out, 2, 1, label_smoothing_factor=0.1),
+                                  train_dataset=train, processing_class=_tokenizer())
+    dist.barrier()  # nobody hangs
+
+
+def test_padding_free_collator_batch_is_sharded():
+    """TRL's padding-free batch through shard_batch: every rank's tokens with their targets inside
+    their document and their document index (``seq_idx``), against the documents themselves."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from striped_sp.deepspeed import shard_batch
+    from striped_sp.layouts import positions
+
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in (3, 1, 6, 2, 1)]
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)([{"input_ids": d} for d in docs])
+    flat = [t for d in docs for t in d]
+    doc_of = [i for i, d in enumerate(docs) for _ in d] + [len(docs)]  # the row's padding: one more document
+    target = [d[j + 1] if j + 1 < len(d) else -100 for d in docs for j in range(len(d))] + [-100]
+    for rank in range(2):
+        local = shard_batch(batch, 2, rank)
+        bounds = local["cu_seq_lens_q"].tolist()
+        assert bounds == [0, 3, 4, 10, 12, 13, 14]
+        idx = positions(14, 2, rank, "striped", bounds).tolist()
+        assert local["input_ids"][0].tolist() == [(flat + [0])[i] for i in idx]
+        assert local["labels"][0].tolist() == [target[i] for i in idx]
+        assert local["seq_idx"][0].tolist() == [doc_of[i] for i in idx]
+        assert local["position_ids"][0].tolist() == [i - bounds[doc_of[i]] for i in idx]
+        assert int(local["num_items_in_batch"]) == sum(len(d) - 1 for d in docs)
+
+
+def _case_packing():
+    _case_sft("packing", 2, 2, 30, 9, packing=True, max_length=16)
+
+
+def _case_padding_free():
+    _case_sft("padding_free", 3, 1, 12, 11, padding_free=True, max_length=None)
+
+
+CASES = [("setup", _setup, ()), ("errors", _case_errors, ()), ("packing_bfd", _case_packing, ()),
+         ("padding_free", _case_padding_free, ())]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    os.environ["STRIPED_SP_TEST_TMP"] = str(tmp_path_factory.mktemp("trl"))
+    return run_cases(WORLD, CASES, timeout_s=300)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_trl_case(results, name):
+    check_case(results, name)
