@@ -64,6 +64,10 @@ class Kernel:
     tensor_format = "bshd"
     #: the striped strict block's form unless ``$STRIPED_SP_STRICT_BLOCK`` says otherwise
     default_strict_block = "sliced"
+    #: whether every call takes ``v`` with a head dim other than q/k's (multi-latent attention:
+    #: ``out`` then has v's).  ``False``: the ring zero-pads to one head dim at entry and slices
+    #: the output (:func:`striped_sp.ring_attention`)
+    native_value_head_dim = False
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
         """``None`` when the kernel runs on ``device`` with ``dtype`` (and ``head_dim``), else why not."""
@@ -113,6 +117,7 @@ class MathKernel(Kernel):
     """Matmul reference, computed in float32 (float64 for float64 inputs).  Runs anywhere."""
 
     name = "math"
+    native_value_head_dim = True  # einsums: v's head dim is free
 
     def unavailable_reason(self, device, dtype, head_dim=None):
         if dtype not in _FLOAT_DTYPES:

@@ -62,6 +62,9 @@ class FlashAttnKernel(Kernel):
     """
 
     name = "flash_attn"
+    #: flash-attn 2 needs one head dim for q, k and v (Dao-AILab/flash-attention#914); FA3's
+    #: ``hdim_v`` is another module: the ring pads v
+    native_value_head_dim = False
     module_name = "flash_attn.flash_attn_interface"
 
     def __init__(self, deterministic: bool = False):

@@ -95,6 +95,10 @@ class TorchKernel(Kernel):
     """
 
     name = "torch"
+    #: the CPU flash op refuses a v head dim other than q/k's ("Q/K/V should have the same head
+    #: size"), and so does the CUDA flash op; the efficient and cuDNN ops may take it, unchecked
+    #: on a GPU here: the ring pads v
+    native_value_head_dim = False
     tensor_format = "bhsd"  # the ops take [b, h, s, d]: the ring hands them contiguous tensors so
 
     def __init__(self, cuda_variant: str | None = None):

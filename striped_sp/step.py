@@ -85,17 +85,17 @@ def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
 
 
 class Accumulator:
-    """fp32 running output (the shape and format of ``q``) and log-sum-exp ``[b, h, s]`` of the
-    local queries."""
+    """fp32 running output (the shape and format of ``q``, with head dim ``value_dim`` when v's
+    differs) and log-sum-exp ``[b, h, s]`` of the local queries."""
 
-    def __init__(self, q: torch.Tensor, masked: bool = False, fmt: str = "bshd"):
-        self.shape, self.fmt = q.shape, fmt
+    def __init__(self, q: torch.Tensor, masked: bool = False, fmt: str = "bshd", value_dim: int | None = None):
+        self.shape, self.fmt = torch.Size((*q.shape[:-1], value_dim or q.size(-1))), fmt
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
         if masked:
             # Under a mask the varlen calls merge rows straight into these (logaddexp merge).
             b, s, h = (q.size(0), q.size(1), q.size(2)) if fmt == "bshd" else (q.size(0), q.size(2), q.size(1))
-            self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            self.out = torch.zeros(self.shape, dtype=torch.float32, device=q.device)
             self.lse = torch.full((b, h, s), float("-inf"), device=q.device)
 
     def add(self, q_rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:

@@ -142,7 +142,7 @@ def varlen_backward(kernel, dout, q, k, v, out, lse, segs: Segments, scale: floa
             # gradient 0: they add nothing to any gradient, however large the real scores are
             pad = torch.ones(p.packs * p.cq, dtype=torch.bool, device=q.device)
             pad[p.q_real.to(q.device)] = False
-            do_b.view(b, p.packs * p.cq, h, d)[:, pad] = 0
+            do_b.view(b, p.packs * p.cq, h, -1)[:, pad] = 0  # v's head dim (MLA)
             q_b.view(b, p.packs * p.cq, h, d)[:, pad] = 0
             lse_b[:, :, pad] = 0
         lse_b = lse_b.view(b, h, p.packs, p.cq).transpose(1, 2).reshape(b * p.packs, h, p.cq)

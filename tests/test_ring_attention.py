@@ -25,7 +25,9 @@ _cp_group = cp_group
 
 
 def check_against_reference(n, layout, causal, heads, dtype_name, seed, local_len=None,
-                            backend="auto", softmax_scale=None, batch=2, head_dim=16, seq_first=False):
+                            backend="auto", softmax_scale=None, batch=2, head_dim=16, seq_first=False,
+                            v_head_dim=None):
+    """``v_head_dim``: v's own head dim (multi-latent attention), padded or native per kernel."""
     group, rank = _cp_group(n)
     dtype, tol = DTYPES[dtype_name]
     h, kvh = HEADS[heads]
@@ -34,8 +36,9 @@ def check_against_reference(n, layout, causal, heads, dtype_name, seed, local_le
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq, h, head_dim, generator=gen).to(dtype)
     k = torch.randn(batch, seq, kvh, head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, seq, kvh, head_dim, generator=gen).to(dtype)
-    dout = torch.randn(batch, seq, h, head_dim, generator=gen).to(dtype)
+    dv = v_head_dim or head_dim
+    v = torch.randn(batch, seq, kvh, dv, generator=gen).to(dtype)
+    dout = torch.randn(batch, seq, h, dv, generator=gen).to(dtype)
     scale = softmax_scale or head_dim ** -0.5
 
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
@@ -51,7 +54,7 @@ def check_against_reference(n, layout, causal, heads, dtype_name, seed, local_le
         args = tuple(t.transpose(0, 1).contiguous().transpose(0, 1) for t in args)
     out = striped_sp.ring_attention(*args, group, layout=layout, causal=causal,
                                     softmax_scale=softmax_scale, backend=backend)
-    assert out.dtype == dtype and out.shape == ql.shape
+    assert out.dtype == dtype and out.shape == (*ql.shape[:-1], dv)
     assert out.is_contiguous()  # [b, s, h, d] whatever format the kernel ran in: callers .view() it
     (out * sh(dout)).sum().backward()
     assert kl.grad.shape == kl.shape  # kv heads are never expanded
@@ -129,6 +132,13 @@ def _cases(world):
         cases.append((f"N{n}-striped-seq-first", check_against_reference,
                       (n, "striped", True, "gqa", "bfloat16", SEED + 6, 9, "auto", None, 3, 16, True)))
         cases.append((f"N{n}-alias", check_striped_attention_alias, (n, SEED + 5)))
+        # multi-latent attention shapes: v head dim 8 < q/k 12 (padded on the CPU op, native on
+        # math), and 20 > 12 (q and k padded)
+        for layout, backend, dv, seed in (("striped", "auto", 8, 8), ("zigzag", "math", 8, 9),
+                                          ("striped", "auto", 20, 10), ("contiguous", "math", 20, 11)):
+            cases.append((f"N{n}-{layout}-mla-{backend}-v{dv}", check_against_reference,
+                          (n, layout, True, "gqa", "float32", SEED + seed, 8 if layout == "zigzag" else 7, backend,
+                           None, 2, 12, False, dv)))
         cases.append((f"N{n}-strict-block-setting", check_strict_block_setting, (n, SEED + 7)))
     return cases
 
