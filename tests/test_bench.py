@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 
 import pytest
+import torch
 
 from striped_sp.bench.work import critical_path_over_ideal, score_entries, step_entries
 from striped_sp.cli import main
@@ -79,6 +82,45 @@ def test_sim_smoke(tmp_path, capsys):
     assert len(recs) == 3 * 2 and all(set(r) == SIM_KEYS and r["efficiency"] is None for r in recs)
 
 
+def _peer_installed(peer: str) -> bool:
+    """Whether ``peer`` can run here: its package importable at a version it is written for."""
+    if peer == "torch_ring":
+        from striped_sp.bench.peers import TORCH_RING_TESTED
+
+        return torch.__version__.split("+")[0].startswith(TORCH_RING_TESTED)
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _check_peer_line(peer: str, line: str) -> None:
+    """A peer's row of ``bench run``: it ran and matched ring_attention on the same inputs; a peer
+    that is not installed here may be skipped with its factory's reason (``skipped: <peer>: why``).
+    A peer that crashed (``skipped: <Error>: ...``, ``failed on another rank``) fails the test,
+    and so does any skip of a peer that is installed."""
+    m = re.search(r"max_abs_err vs ring_attention ([0-9.e+-]+)", line)
+    if m:
+        assert float(m.group(1)) < 1e-5, line
+        return
+    assert not _peer_installed(peer), f"{peer} is installed here but did not run: {line}"
+    assert re.search(rf"skipped: {peer}: \S", line), f"{peer} crashed or gave no reason: {line}"
+
+
+def test_peer_line_check_refuses_crashes(monkeypatch):
+    """The check above fails a crashed peer even where a genuine skip would be accepted."""
+    ok = "ulysses     contiguous layout, max_abs_err vs ring_attention 2.4e-07"
+    _check_peer_line("ulysses", ok)
+    with pytest.raises(AssertionError):
+        _check_peer_line("ulysses", ok.replace("2.4e-07", "3.1e-01"))
+    monkeypatch.setattr(sys.modules[__name__], "_peer_installed", lambda peer: False)
+    _check_peer_line("ulysses", "ulysses   skipped: ulysses: deepspeed not importable (ModuleNotFoundError: x)")
+    for crash in ("skipped: RuntimeError: Connection closed by peer", "skipped: failed on another rank",
+                  "skipped: torch_ring: private API pinned"):  # the last: another peer's reason
+        with pytest.raises(AssertionError):
+            _check_peer_line("ulysses", f"ulysses   {crash}")
+    monkeypatch.setattr(sys.modules[__name__], "_peer_installed", lambda peer: True)
+    with pytest.raises(AssertionError, match="installed here but did not run"):
+        _check_peer_line("ulysses", "ulysses   skipped: ulysses: deepspeed not importable")
+
+
 def test_run_smoke(tmp_path, capsys, monkeypatch):
     path = tmp_path / "run.json"
     extensions = tmp_path / "torch_extensions"  # DeepSpeed's CPU shm op must not be compiled
@@ -94,13 +136,8 @@ def test_run_smoke(tmp_path, capsys, monkeypatch):
         assert set(r) == RUN_KEYS
         assert r["world_size"] == 2 and r["seq_len"] == 12
     out = capsys.readouterr().out
-    # each peer either ran and matched ring_attention on the same inputs, or says why it was skipped
     for peer in ("torch_ring", "ulysses"):
-        line = next(l for l in out.splitlines() if l.startswith(peer))
-        m = re.search(r"max_abs_err vs ring_attention ([0-9.e+-]+)", line)
-        assert m or "skipped:" in line, line
-        if m:
-            assert float(m.group(1)) < 1e-5, line
+        _check_peer_line(peer, next(l for l in out.splitlines() if l.startswith(peer)))
     assert "where the time goes" in out
     assert not extensions.exists() or not any(extensions.iterdir())
 

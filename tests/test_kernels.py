@@ -1,5 +1,6 @@
 """Block kernels against a float64 reference, the merge, and the flash-attn adapter's plumbing."""
 
+import math
 import sys
 import types
 
@@ -10,11 +11,28 @@ from reference import reference_attention, rel_err
 from striped_sp.attention import merge_block
 from striped_sp.kernels import KERNELS, FlashAttnKernel, MathKernel, available_backends, resolve_kernel
 
-SCALE = 0.25
+SCALE = 0.3  # not head_dim ** -0.5 (0.25 for d=16): a kernel that drops the scale fails
+
+# PyTorch's CPU flash kernel runs the softmax of bf16/fp16 inputs in fp32 but with a fast
+# exponential (``fexp_u20``, a cubic documented as accurate to 1 ULP of bf16: relative 2**-8;
+# measured on this build: 1.2e-4 ~ 2**-13), while fp32 inputs get the accurate one.  With
+# lse = m + log(sum_i e^(s_i - m) (1 + eps_i)), |eps_i| <= delta, the error of lse is at most
+# log1p(delta) (absolute, whatever |lse| is), plus the fp32 rounding of the scores and of lse
+# (a few 2**-24 |lse|).  A dropped key or a wrong scale moves lse by 0.05 to 1 here.
+LSE_FAST_EXP_ATOL = math.log1p(2**-8)
+
+
+def _lse_ok(backend, dtype, lse, ref):
+    """``lse`` within the derived bound for (backend, dtype): absolute for the fast-exp path,
+    relative 1e-5 wherever the exponential is the accurate fp32 one."""
+    if backend == "torch" and dtype in (torch.bfloat16, torch.float16):
+        return (lse.double() - ref).abs().max().item() <= LSE_FAST_EXP_ATOL + 2**-20 * ref.abs().max().item()
+    return rel_err(lse, ref) < 1e-5
 
 
 def _inputs(s=13, h=8, kvh=2, d=16, dtype=torch.float32, seed=None):
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    """Random inputs from ``seed``, else from the global generator (seeded per test by conftest)."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
     # an extra leading query/key row so that sliced (non-contiguous-offset) views are exercised
     q = torch.randn(2, s + 1, h, d, generator=gen).to(dtype)[:, 1:]
     k = torch.randn(2, s + 1, kvh, d, generator=gen).to(dtype)[:, :-1]
@@ -45,7 +63,7 @@ def test_kernel_forward_backward(backend, causal, heads, dtype, tol):
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (2, heads[0], q.size(1)) and lse.is_contiguous()
     assert rel_err(out, ref_out) < tol
-    assert rel_err(lse, ref_lse) < 1e-5
+    assert _lse_ok(backend, dtype, lse, ref_lse), (lse.double() - ref_lse).abs().max().item()
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, SCALE)
     assert dk.shape == k.shape and dv.shape == v.shape
     for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):

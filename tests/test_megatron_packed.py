@@ -14,7 +14,6 @@ The reference runs the whole row as one sequence with Megatron's document mask b
 """
 
 import itertools
-import random
 
 import pytest
 import torch
@@ -23,10 +22,11 @@ import torch.distributed as dist
 import striped_sp
 from dist_helper import run_cases
 from megatron_reference import compare, document_mask, setup_groups, use_reference_attention
+from seeds import seed_for
 
 pytest.importorskip("megatron.core")
 
-SEED = random.randrange(2**31)
+SEED = seed_for(__name__)  # fixed (tests/seeds.py): the same on every run
 ALGOS = {"striped": "striped", "zigzag": "zigzag", "ring": "contiguous"}
 DOCS = [13, 3, 9, 1, 6, 8]  # 40 tokens; two documents shorter than CP=4
 VOCAB = 48
@@ -92,16 +92,19 @@ def check_thd(cp, algo, padded, window, seed, fused_rope=False, mtp=None):
     ref, model, group = _models(cp, algo, seed, window, **extra)
     batch, cu, cu_padded, max_seqlen, bounds = thd_row(cp, padded, seed + 1)
     total = batch["tokens"].size(1)
-    if mtp:  # MTP rolls inside documents: the reference runs the packed row too (at CP=1)
+    if mtp:  # MTP rolls inside documents: the reference runs each document (with its padding) as a
+        # sequence of its own, plain causal, so Megatron's dense roll is the per-document one and
+        # nothing of the packed path (our THD slicing, RoPE or roll) is in the reference
         ref.eval()
         model.eval()
-        _, ref_params = sm.get_thd_batch_on_this_cp_rank(dict(batch), cu, cu_padded, max_seqlen,
-                                                         algo=algo, cp_group=_setup()[1])
-        out = ref(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                  loss_mask=batch["loss_mask"], packed_seq_params=ref_params)
+        ref_loss = 0.0
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            doc = {key: value[:, a:b] for key, value in batch.items()}
+            out = ref(doc["tokens"], doc["position_ids"], None, labels=doc["labels"], loss_mask=doc["loss_mask"])
+            ref_loss = ref_loss + _loss(out, doc["loss_mask"])
     else:
         out = ref(batch["tokens"], batch["position_ids"], document_mask(bounds, total), labels=batch["labels"])
-    ref_loss = _loss(out, batch["loss_mask"])
+        ref_loss = _loss(out, batch["loss_mask"])
     ref_loss.backward()
 
     local, params = sm.get_thd_batch_on_this_cp_rank(dict(batch), cu, cu_padded, max_seqlen,

@@ -14,6 +14,7 @@ import torch
 
 import striped_sp
 import striped_sp.megatron as sm
+from reference import reference_attention, rel_err
 
 warnings.filterwarnings("ignore")
 pytest.importorskip("megatron.core")
@@ -101,8 +102,11 @@ def test_core_attention_rejects_unsupported_settings():
         sm.ContextParallelAttention(_config(), cp_comm_type="allgather", **kw)
     with pytest.raises(ValueError, match="--context-parallel-algo"):
         sm.ContextParallelAttention(_config(), algo="native", **kw)
-    with pytest.raises(ValueError, match="--multi-latent-attention"):
-        sm.ContextParallelAttention(_config(), k_channels=24, v_channels=8, **kw)
+    with pytest.raises(ValueError, match="--no-rope-fusion"):  # MLA's fused RoPE assumes zigzag
+        sm.ContextParallelAttention(_config(multi_latent_attention=True, apply_rope_fusion=True),
+                                    k_channels=24, v_channels=8, **kw)
+    mla = sm.ContextParallelAttention(_config(), k_channels=24, v_channels=8, **kw)  # MLA head dims
+    assert (mla.hidden_size_per_attention_head, mla.value_head_dim) == (24, 8)
     # TEDotProductAttention's extra arguments are accepted when they mean plain attention
     sm.ContextParallelAttention(_config(), k_channels=8, v_channels=8, num_splits=None, **kw)
     attn = sm.ContextParallelAttention(_config(), algo="ring", **kw)
@@ -140,6 +144,46 @@ def test_core_attention_honours_backend_determinism_and_fp8_flags():
     cfg.fp8_dot_product_attention = True  # TransformerConfig itself needs TE for FP8
     with pytest.raises(ValueError, match="--fp8-dot-product-attention"):
         sm.ContextParallelAttention(cfg, **kw)
+
+
+def _one_rank_attention(group, **kw):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    pgc = types.SimpleNamespace(cp=group, tp=types.SimpleNamespace(size=lambda: 1))
+    kw.setdefault("attn_mask_type", AttnMaskType.causal)
+    config = kw.pop("config", _config())
+    return sm.ContextParallelAttention(config, 1, attention_type="self", pg_collection=pgc, softmax_scale=0.3,
+                                       **kw)
+
+
+def _sbhd_reference(q, k, v, causal):
+    """Independent float64 attention on Megatron's [s, b, h, d] -> [s, b, h * d]."""
+    out = reference_attention(*(t.transpose(0, 1) for t in (q, k, v)), causal, 0.3)
+    return out.transpose(0, 1).reshape(q.size(0), q.size(1), -1)
+
+
+def test_core_attention_mask_types_on_a_one_rank_ring(world_of_one):
+    """no_mask is full attention and causal is causal, from the constructor or per call (a
+    one-rank CP group through the real ring, against an independent float64 reference)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    q, k, v = torch.randn(11, 2, 4, 8), torch.randn(11, 2, 2, 8), torch.randn(11, 2, 2, 8)
+    full, causal = _sbhd_reference(q, k, v, False), _sbhd_reference(q, k, v, True)
+    assert rel_err(full, causal) > 0.1  # the two masks give different answers on these inputs
+    for mask_type, want in ((AttnMaskType.no_mask, full), (AttnMaskType.causal, causal)):
+        assert rel_err(_one_rank_attention(world_of_one, attn_mask_type=mask_type)(q, k, v, None), want) < 1e-5
+        per_call = _one_rank_attention(world_of_one)(q, k, v, None, attn_mask_type=mask_type)
+        assert rel_err(per_call, want) < 1e-5
+
+
+def test_core_attention_deterministic_mode_reaches_the_kernel(world_of_one, deterministic_flags):
+    """--deterministic-mode is handed to the ring's kernel choice (on a one-rank CP group)."""
+    q, k, v = torch.randn(7, 1, 4, 8), torch.randn(7, 1, 2, 8), torch.randn(7, 1, 2, 8)
+    for mode in (True, False):
+        deterministic_flags.clear()
+        out = _one_rank_attention(world_of_one, config=_config(deterministic_mode=mode))(q, k, v, None)
+        assert deterministic_flags and all(flag is mode for flag in deterministic_flags), (mode, deterministic_flags)
+        assert rel_err(out, _sbhd_reference(q, k, v, True)) < 1e-5
 
 
 def test_checkpoints_move_between_native_and_striped():
@@ -292,6 +336,45 @@ def test_rope_rows_follow_positions_on_cpu(algo):
             assert torch.equal(emb, full.index_select(0, pos))
     finally:
         sm.uninstall()
+
+
+def _rope64(x, pos, inv_freq):
+    """Independent non-interleaved RoPE in float64: token ``i`` of ``x [t, h, d]`` rotated by
+    ``pos[i] * inv_freq`` (pairs ``(j, j + d/2)``, as Megatron's rotate-half)."""
+    angle = pos.double()[:, None] * inv_freq.double()[None, :]  # [t, d/2]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    a, b = x.double().chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+@pytest.mark.parametrize("algo", ["striped", "zigzag", "ring"])
+def test_thd_rope_rotates_by_the_position_inside_each_document(algo):
+    """Packed THD rows: each local token gets the rotation of its position inside its document
+    (checked directly on every rank of CP=4, not through a training run), and the global one only
+    when the table has a row per token of the buffer (Megatron's rule)."""
+    from striped_sp.megatron.rope import apply_rotary_pos_emb_thd
+
+    cp = 4
+    lengths = [16, 8, 24] if algo == "zigzag" else [13, 3, 9, 1, 6, 8]  # zigzag: multiples of 2 * cp
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    total, layout = bounds[-1], sm.layout_of(algo)
+    start = torch.tensor([a for a, b in zip(bounds, bounds[1:]) for _ in range(b - a)])  # each token's document
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    config = types.SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    x = torch.randn(total, 2, 8, dtype=torch.float64)
+    for rows, want_pos in ((max(lengths), torch.arange(total) - start), (total, torch.arange(total))):
+        table = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        freqs = torch.cat((table, table), dim=-1)[:, None, None, :]  # [rows, 1, 1, d]
+        want = _rope64(x, want_pos, inv_freq)
+        for rank in range(cp):
+            mine = striped_sp.positions(total, cp, rank, layout, bounds)
+            if rows < total:
+                assert torch.equal(striped_sp.document_positions(total, cp, rank, layout, bounds), want_pos[mine])
+            got = apply_rotary_pos_emb_thd(x[mine], torch.tensor(bounds, dtype=torch.int32), freqs, config,
+                                           _FakeGroup(cp, rank), algo=algo)
+            assert (got - want[mine]).abs().max() < 1e-12, (rows, rank)
 
 
 def test_native_rope_slicing_equals_megatrons_and_zigzag(monkeypatch):

@@ -1,0 +1,87 @@
+"""Every test runs seeded, and a failing test prints its seed.
+
+Before each test module is imported and before each test, ``torch``, ``random`` (and ``numpy`` when installed) are seeded with
+:func:`seeds.seed_for` of the test's node id, so inputs drawn from the global generators are the
+same on every run; ``$STRIPED_SP_TEST_SEED`` moves every seed at once (``random``: a fresh draw).
+The ``seed`` fixture hands a test its seed for its own generators; ``world_of_one`` starts a
+gloo process group of this process alone for the test (CP=1 runs of the real code path);
+``deterministic_flags`` records the ``deterministic`` flag of every kernel resolution the ring makes.  A failing test gets a
+``seed`` section in its report naming the seed and how to rerun it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seeds import how_to_reproduce, seed_for
+
+_SEED = pytest.StashKey[int]()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """This test's seed (the global generators are already seeded with it)."""
+    value = seed_for(request.node.nodeid)
+    request.node.stash[_SEED] = value
+    _seed_everything(value)
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """Seed the generators before a test module is imported, so module-level draws (a module's
+    ``SEED = random.randrange(...)``) are fixed per module, whichever files run with it."""
+    if isinstance(collector, pytest.Module):
+        _seed_everything(seed_for(collector.nodeid))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _SEED in item.stash:
+        report.sections.append(("seed", how_to_reproduce(item.stash[_SEED])))
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo default process group of one rank (this process), destroyed after the test."""
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in the test process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg_init'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def deterministic_flags(monkeypatch) -> list:
+    """The ``deterministic`` argument of each ``resolve_kernel`` call made by ``ring_attention``
+    during the test (the real resolution still runs)."""
+    import striped_sp.attention as attention
+    from striped_sp.kernels import resolve_kernel
+
+    seen = []
+
+    def spy(backend, device, dtype, head_dim=None, deterministic=False):
+        seen.append(deterministic)
+        return resolve_kernel(backend, device, dtype, head_dim, deterministic=deterministic)
+
+    monkeypatch.setattr(attention, "resolve_kernel", spy)
+    return seen
