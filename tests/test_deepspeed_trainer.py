@@ -259,6 +259,8 @@ def _case_trainer_errors():
     bad = [
         (dict(average_tokens_across_devices=False), "average_tokens_across_devices=False"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
+        (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy='group_by_length'"),
+        (dict(train_sampling_strategy="batch_rebalance"), "train_sampling_strategy='batch_rebalance'"),
         (dict(deepspeed=dict(_ds_json(2, 2), context_parallel={"algo": "striped", "heads": 2})),
          "context_parallel.heads: unknown key"),
         (dict(deepspeed=dict(_ds_json(2, 2), gradient_predivide_factor=2.0)), "gradient_predivide_factor=2.0"),
@@ -269,6 +271,29 @@ def _case_trainer_errors():
         with pytest.raises(ValueError, match=match):
             ContextParallelTrainer(model=_tiny_llama(), args=_args(out, 2, **over), train_dataset=train)
     dist.barrier()  # nobody hangs
+
+
+def test_accelerator_cpu_true_is_named():
+    """``Accelerator(cpu=True, deepspeed_plugin=...)``: accelerate drops the plugin; the error names cpu=True."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from striped_sp.deepspeed import enable_accelerate
+
+    AcceleratorState._reset_state(True)
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED")  # the Accelerator sets it
+    try:
+        accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(_ds_json(2, 1))))
+        assert accelerator.state.deepspeed_plugin is None  # what accelerate does with cpu=True
+        with pytest.raises(ValueError, match=r"Accelerator\(cpu=True\) drops the deepspeed_plugin"):
+            enable_accelerate(accelerator)
+    finally:
+        AcceleratorState._reset_state(True)
+        if use_deepspeed is None:
+            os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = use_deepspeed
 
 
 CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),

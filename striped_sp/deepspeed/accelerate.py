@@ -62,7 +62,13 @@ class EpochDataLoader(torch.utils.data.DataLoader):
 
 def deepspeed_config_of(accelerator) -> dict:
     """The DeepSpeed config dict of ``accelerator`` (``ValueError`` if it has no DeepSpeed plugin)."""
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, "deepspeed_plugin", None)
+    if plugin is None and getattr(state, "_cpu", False):
+        raise ValueError("enable_accelerate found no DeepSpeed plugin on a CPU Accelerator: Accelerator(cpu=True) "
+                         "drops the deepspeed_plugin (accelerate runs DeepSpeed only without cpu=True); on a CPU-only "
+                         "machine create PartialState(cpu=True) first, then Accelerator(deepspeed_plugin=...) without "
+                         "cpu=True (TrainingArguments(use_cpu=True) does this)")
     if plugin is None:
         raise ValueError("enable_accelerate needs an Accelerator with a DeepSpeed plugin "
                          "(Accelerator(deepspeed_plugin=...) or accelerate launch --use_deepspeed / "

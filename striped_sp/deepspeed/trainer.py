@@ -25,7 +25,8 @@ Trainer logs is the same as at SP=1.
 Refused with a ``ValueError`` naming the setting (at construction, before any collective):
 ``deepspeed`` unset while the JSON asks for SP, ``average_tokens_across_devices=False``,
 ``label_smoothing_factor > 0`` (it re-shifts labels on the local tokens), a ``compute_loss_func``,
-``group_by_length=True`` (the loader's sampler is a data-parallel ``DistributedSampler``),
+``train_sampling_strategy="group_by_length"`` or ``"batch_rebalance"`` (``group_by_length=True`` before
+transformers 5; the loader's sampler is a data-parallel ``DistributedSampler``),
 ``parallelism_config`` with ``sp_size``/``cp_size``/``tp_size > 1``, and what :func:`.parse_config`
 and :func:`.check_sequence_parallel_settings` refuse.
 """
@@ -66,9 +67,11 @@ def check_training_arguments(args, compute_loss_func=None):
     if getattr(args, "label_smoothing_factor", 0.0):
         problems.append(f"label_smoothing_factor={args.label_smoothing_factor}: its loss shifts the labels again "
                         "on the local tokens (set it to 0)")
-    if getattr(args, "group_by_length", False):
-        problems.append("group_by_length=True: the samples are split over data-parallel replicas by a "
-                        "DistributedSampler (random or in order); set it to False")
+    strategy = getattr(args, "train_sampling_strategy", None)  # transformers 5.24; older: group_by_length=True
+    strategy = "group_by_length" if getattr(args, "group_by_length", False) else strategy
+    if strategy in ("group_by_length", "batch_rebalance"):
+        problems.append(f"train_sampling_strategy={strategy!r}: the samples are split over data-parallel replicas "
+                        "by a DistributedSampler (random or in order); use 'random' or 'sequential'")
     if compute_loss_func is not None:
         problems.append("compute_loss_func: a custom loss sees this rank's tokens only; use the model's loss")
     pc = getattr(args, "parallelism_config", None)
