@@ -161,6 +161,18 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     layout.check_local_len(q.size(1))
 
 
+def _refuse_float64(q: torch.Tensor) -> None:
+    """float64 is refused by name: the ring merges blocks in float32 accumulators (out, lse, dQ,
+    dK/dV) and the fused kernels return float32 lse, so float64 inputs would silently get float32
+    accuracy.  Exact float64 would need the accumulator dtype threaded through step.py, varlen.py
+    and every kernel's lse."""
+    if q.dtype == torch.float64:
+        raise ValueError(
+            "q, k, v have dtype torch.float64, which ring_attention does not compute exactly: it merges the "
+            "blocks in float32 accumulators, so float64 inputs would silently get float32 accuracy; pass "
+            "float32, bfloat16 or float16 (or compute a float64 reference without the ring)")
+
+
 def _check_consistent_across_ranks(q, k, v, layout: Layout, causal: bool, scale: float, group,
                                    mask: MaskSpec | None, ulysses: int, kernel: Kernel, grad_comm_dtype,
                                    deterministic: bool, timeout) -> None:
@@ -201,7 +213,8 @@ def ring_attention(
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
     Args:
-        q: ``[batch, s_local, heads, head_dim]``, this rank's queries (float16/bfloat16/float32).
+        q: ``[batch, s_local, heads, head_dim]``, this rank's queries (float16/bfloat16/float32; float64 is
+            refused: the ring accumulates in float32).
         k, v: ``[batch, s_local, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads``.  v may
             have its own head dim ``v_head_dim`` (multi-latent attention); a kernel that needs one
             head dim (:attr:`~striped_sp.kernels.Kernel.native_value_head_dim` false: PyTorch's
@@ -272,6 +285,7 @@ def ring_attention(
     try:
         lay = get_layout(layout, stripe_size, doc_placement)
         _check_inputs(q, k, v, lay)
+        _refuse_float64(q)
         call_dim = max(q.size(-1), v.size(-1))  # the kernels' head dim once padded (MLA)
         kernel = resolve_kernel(backend, q.device, q.dtype, call_dim, deterministic=bool(deterministic))
         gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring

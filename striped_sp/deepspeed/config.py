@@ -1,7 +1,7 @@
 """The ``context_parallel`` section of a DeepSpeed JSON config, and ``sequence_parallel_size``.
 
 ```json
-{"sequence_parallel_size": 2, "context_parallel": {"algo": "striped", "backend": "auto"}}
+{"sequence_parallel_size": 2, "context_parallel": {"algo": "striped", "backend": "auto", "timeout_s": 600}}
 ```
 
 ``sequence_parallel_size`` is DeepSpeed's own key (default 1); the ``context_parallel`` section is
@@ -37,6 +37,9 @@ class ContextParallelSettings:
     #: hierarchical CP: a Ulysses all-to-all over heads inside groups of this many consecutive SP
     #: ranks, the ring across them (1: the plain ring; sequence_parallel_size: pure Ulysses)
     ulysses_size: int = 1
+    #: the ring timeout in seconds (:func:`striped_sp.ring.set_ring_timeout`, applied when the model is
+    #: adapted); ``None``: ``$STRIPED_SP_RING_TIMEOUT_S`` or 600
+    timeout_s: float | None = None
 
     @property
     def layout(self) -> str:
@@ -50,14 +53,24 @@ class ContextParallelSettings:
 _MODEL_CLASS = None
 
 
+def _pydantic():
+    """pydantic (a DeepSpeed dependency), or an ``ImportError`` naming the extra that installs it."""
+    try:
+        import pydantic
+    except ImportError as err:
+        raise ImportError("striped_sp.deepspeed.parse_config validates the context_parallel section with "
+                          "DeepSpeed's pydantic config models, and pydantic is missing: "
+                          "pip install 'striped_sp[deepspeed]'") from err
+    return pydantic
+
+
 def _model_class():
     """The pydantic model of the section, built on first use (deepspeed is imported lazily)."""
     global _MODEL_CLASS
     if _MODEL_CLASS is None:
-        from typing import Literal
+        from typing import Literal, Optional
 
-        import pydantic
-
+        pydantic = _pydantic()
         try:
             from deepspeed.runtime.config_utils import DeepSpeedConfigModel
         except ImportError as err:  # pragma: no cover - depends on the environment
@@ -71,6 +84,7 @@ def _model_class():
             algo: Literal[tuple(ALGOS)] = "striped"  # type: ignore[valid-type]
             backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
             ulysses_size: pydantic.StrictInt = pydantic.Field(default=1, ge=1)
+            timeout_s: Optional[float] = pydantic.Field(default=None, gt=0, allow_inf_nan=False)
 
         _MODEL_CLASS = ContextParallelConfig
     return _MODEL_CLASS
@@ -131,10 +145,10 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
 
     ``config``: a dict or a JSON file path.  ``world_size``: when given, ``sequence_parallel_size``
     must divide it.  A missing section means the defaults (``algo="striped"``, ``backend="auto"``).
-    Raises ``ValueError`` naming the key and the rule.
+    Raises ``ValueError`` naming the key and the rule; ``ImportError`` naming the ``deepspeed`` extra
+    when pydantic or DeepSpeed is missing.
     """
-    import pydantic
-
+    pydantic = _pydantic()
     cfg = load_config(config)
     sp = _sequence_parallel_size(cfg, world_size)
     section = cfg.get(SECTION, {})
@@ -154,4 +168,4 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
         raise ValueError(f"{SECTION}.ulysses_size={u} must divide sequence_parallel_size={sp} "
                          "(Ulysses groups of ulysses_size ranks, a ring across them)")
     return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
-                                   ulysses_size=u)
+                                   ulysses_size=u, timeout_s=model.timeout_s)

@@ -126,6 +126,10 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
         return []
     from .hf import enable_hf_attention
 
+    if settings.timeout_s is not None:  # context_parallel.timeout_s
+        from ..ring import set_ring_timeout
+
+        set_ring_timeout(settings.timeout_s)
     _swap_deepspeed_attention(model, settings)
     hierarchical = ulysses_groups(groups, settings.ulysses_size)
     ours = [m for m in model.modules() if isinstance(m, DistributedAttention)]

@@ -10,6 +10,7 @@ import argparse
 from typing import Callable, Optional
 
 from ..layouts import get_layout
+from ..ring import set_ring_timeout
 
 
 #: algo name -> this project's layout (``None``: Megatron/Transformer Engine's own path).
@@ -62,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "'zigzag': the same engine with Megatron's zigzag layout. "
         "'ring': the same engine with contiguous chunks (original Ring Attention). "
         "The last three need --context-parallel-size > 1.",
+    )
+    group.add_argument(
+        "--context-parallel-timeout-s",
+        type=float,
+        default=None,
+        help="Seconds a rank of the striped/zigzag/ring engine waits for a ring transfer before it "
+        "raises an error naming itself, the stuck peer and the ring step (gloo/CPU; on NCCL the "
+        "process group's timeout applies). Default: $STRIPED_SP_RING_TIMEOUT_S, else 600.",
     )
     return parser
 
@@ -129,12 +138,14 @@ def validate_args(args) -> None:
     """Check the settings that ``--context-parallel-algo`` needs; ``ValueError`` names the fix.
 
     Reads Megatron's argument names (missing ones take Megatron's defaults), so it works on
-    the parsed ``args`` of pretrain_gpt.py.  A native algo is never checked.
+    the parsed ``args`` of pretrain_gpt.py.  A native algo is never checked.  Also makes
+    ``--context-parallel-timeout-s`` this process's ring timeout (validate_args runs on every rank).
     """
     algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
     if ALGOS[algo] is None:
         return
     flag = f"--context-parallel-algo {algo}"
+    _apply_timeout(args)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if cp < 2:
         raise ValueError(
@@ -235,6 +246,19 @@ def validate_args(args) -> None:
             f"{flag} sends and receives inside attention and cannot be captured in CUDA graphs yet: "
             "set --cuda-graph-impl none (and drop --external-cuda-graph / --enable-cuda-graph)"
         )
+
+
+def _apply_timeout(args) -> None:
+    """``--context-parallel-timeout-s``: checked, then made the ring timeout of this process
+    (:func:`striped_sp.ring.set_ring_timeout`; validate_args runs on every rank)."""
+    seconds = getattr(args, "context_parallel_timeout_s", None)
+    if seconds is None:
+        return
+    try:
+        set_ring_timeout(seconds)
+    except ValueError:
+        raise ValueError(f"--context-parallel-timeout-s {seconds!r} must be a positive, finite number of seconds") \
+            from None
 
 
 def _check_loss_weighting(args, flag: str) -> None:
