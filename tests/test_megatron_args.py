@@ -57,6 +57,7 @@ def test_valid_settings_pass():
     # hierarchical CP: Ulysses inside, the ring across (or pure Ulysses)
     sm.validate_args(_args(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[2, 2], num_attention_heads=8))
     sm.validate_args(_args(cp_comm_type=["a2a"], num_attention_heads=8))
+    sm.validate_args(_args(multi_latent_attention=True, apply_rope_fusion=False))  # MLA, unfused RoPE
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -87,6 +88,7 @@ def test_valid_settings_pass():
      "without a virtual pipeline"),
     (dict(reset_attention_mask=True, create_attention_mask_in_dataloader=False),
      "--no-create-attention-mask-in-dataloader"),
+    (dict(multi_latent_attention=True, apply_rope_fusion=True), "--no-rope-fusion"),
     (dict(qk_clip=True), "--qk-clip"),
     (dict(log_max_attention_logit=True), "--log-max-attention-logit"),
     (dict(cuda_graph_impl="local"), "--cuda-graph-impl none"),

@@ -231,9 +231,10 @@ def validate_args(args) -> None:
     _check_loss_weighting(args, flag)
     if getattr(args, "use_legacy_models", False):
         raise ValueError(f"{flag} needs megatron-core models: drop --use-legacy-models")
-    if getattr(args, "multi_latent_attention", False):
+    if getattr(args, "multi_latent_attention", False) and getattr(args, "apply_rope_fusion", False):
         raise ValueError(
-            f"{flag} does not support multi-latent attention yet: drop --multi-latent-attention"
+            f"{flag}: the fused multi-latent attention RoPE places its rotary rows by Megatron's zigzag "
+            "chunks, not by the layout's positions: pass --no-rope-fusion with --multi-latent-attention"
         )
     for name in ("qk_clip", "log_max_attention_logit"):
         if getattr(args, name, False):

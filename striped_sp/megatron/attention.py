@@ -2,10 +2,12 @@
 
 It has the constructor and forward contract of megatron-core 0.16.1's core attention
 (``DotProductAttention`` / ``TEDotProductAttention``): ``[s, b, heads, head_dim]`` query and
-``[s, b, kv_heads, head_dim]`` key/value in, ``[s, b, heads * head_dim]`` out.  The CP group
-comes from ``pg_collection.cp`` (else Megatron's parallel_state); the layout from ``algo``.
-Packed THD rows (``packed_seq_params``: ``[t, heads, head_dim]`` in, ``[t, heads * head_dim]``
-out), document masks from ``--reset-attention-mask`` and ``--window-size`` (with
+``[s, b, kv_heads, head_dim]`` key/value in, ``[s, b, heads * head_dim]`` out; under multi-latent
+attention (``MLASelfAttention``: ``k_channels`` = qk_head_dim + qk_pos_emb_head_dim, ``v_channels``
+= v_head_dim) value and output have v's head dim.  The CP group comes from ``pg_collection.cp``
+(else Megatron's parallel_state); the layout from ``algo``.  Packed THD rows
+(``packed_seq_params``: ``[t, heads, head_dim]`` in, ``[t, heads * head_dim]`` out), document
+masks from ``--reset-attention-mask`` and ``--window-size`` (with
 ``window_attn_skip_freq``) become the ring's documents and window.  Every check runs in the
 constructor or before the ring starts.
 """
@@ -42,7 +44,10 @@ class ContextParallelAttention(MegatronModule):
     Args (Megatron's, as ``DotProductAttention`` / ``TEDotProductAttention``): ``config``,
     ``layer_number``, ``attn_mask_type``, ``attention_type``, ``attention_dropout``,
     ``softmax_scale``, ``cp_comm_type``, ``pg_collection``, ``k_channels``, ``v_channels``,
-    ``num_splits`` (accepted; unequal channels are refused).
+    ``num_splits`` (accepted).  ``k_channels`` / ``v_channels`` (default ``kv_channels``) are the
+    query/key and value head dims; they differ under multi-latent attention, whose RoPE Megatron
+    applies to the positional part of q/k before this module (at the layout's positions once
+    :func:`striped_sp.megatron.install` ran); its fused MLA RoPE is refused.
     Args (ours): ``algo``: ``striped``, ``zigzag`` or ``ring``; ``backend``: the striped_sp
     kernel backend (``auto``, ``torch``, ``flash_attn``, ``math``); ``auto`` follows
     ``config.attention_backend`` (``--attention-backend``: flash -> flash_attn, fused -> torch,
@@ -88,13 +93,11 @@ class ContextParallelAttention(MegatronModule):
                 "--context-parallel-algo native"
             )
         self.cp_comm_type = cp_comm_type or "p2p"
-        for name, channels in (("k_channels", k_channels), ("v_channels", v_channels)):
-            if channels is not None and channels != config.kv_channels:
-                raise ValueError(
-                    f"{flag} needs one head_dim for query, key and value ({name}={channels}, "
-                    f"kv_channels={config.kv_channels}): multi-latent attention is not supported "
-                    "yet: drop --multi-latent-attention"
-                )
+        if getattr(config, "multi_latent_attention", False) and getattr(config, "apply_rope_fusion", False):
+            raise ValueError(
+                f"{flag}: the fused multi-latent attention RoPE (apply_rope_fusion) places its rotary "
+                "rows by Megatron's zigzag chunks, not by the layout's positions: pass --no-rope-fusion"
+            )
         if attention_type != "self":
             raise ValueError(
                 f"{flag} supports self-attention only (got attention_type={attention_type!r})"
@@ -126,11 +129,13 @@ class ContextParallelAttention(MegatronModule):
             tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
         tp_size = _group_size(tp)
 
-        head_dim = config.kv_channels
+        head_dim = config.kv_channels if k_channels is None else k_channels
+        #: v's head dim (multi-latent attention: v_head_dim, unlike q/k's)
+        self.value_head_dim = config.kv_channels if v_channels is None else v_channels
         self.hidden_size_per_attention_head = head_dim
         self.num_attention_heads_per_partition = config.num_attention_heads // tp_size
         self.num_query_groups_per_partition = max(1, config.num_query_groups // tp_size)
-        self.hidden_size_per_partition = head_dim * self.num_attention_heads_per_partition
+        self.hidden_size_per_partition = self.value_head_dim * self.num_attention_heads_per_partition
 
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them
         # back inside the fp32 softmax: the net scale is the plain one.
@@ -161,8 +166,9 @@ class ContextParallelAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """``[sq, b, heads, d]``, ``[sk, b, kv_heads, d]`` x2 -> ``[sq, b, heads * d]``; with THD
-        ``packed_seq_params``: ``[t, heads, d]``, ``[t, kv_heads, d]`` x2 -> ``[t, heads * d]``.
+        """``[sq, b, heads, d]``, ``[sk, b, kv_heads, d]``, ``[sk, b, kv_heads, dv]`` -> ``[sq, b, heads * dv]``
+        (``dv = d`` but under multi-latent attention); with THD ``packed_seq_params``: ``[t, heads, d]``,
+        ``[t, kv_heads, d]``, ``[t, kv_heads, dv]`` -> ``[t, heads * dv]``.
 
         The causal mask is applied on global positions by the ring.  ``attention_mask`` (bool,
         ``True`` = masked) may only be causal inside documents: the documents come from the batch
@@ -198,10 +204,10 @@ class ContextParallelAttention(MegatronModule):
                 f"KV cache (query has {query.size(0)} tokens, key {key.size(0)}): use "
                 "--context-parallel-algo native for generation"
             )
-        if key.size(-1) != value.size(-1) or query.size(-1) != key.size(-1):
+        if query.size(-1) != key.size(-1):
             raise ValueError(
-                f"{flag} needs one head_dim for query, key and value (got {query.size(-1)}, "
-                f"{key.size(-1)}, {value.size(-1)}): multi-latent attention is not supported yet"
+                f"{flag} needs one head_dim for query and key (got {query.size(-1)} and {key.size(-1)}); "
+                f"value's may differ (multi-latent attention, got {value.size(-1)})"
             )
         # [s, b, h, d] -> [b, s, h, d]
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
@@ -229,7 +235,7 @@ class ContextParallelAttention(MegatronModule):
             # A [b, s/N] striped shard is the striped shard of the b rows laid end to end.
             flat = packed.flatten_rows(tuple(rows), len(rows))
             out = self._ring(*(t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v)), causal, flat)
-            out = out.view(q.shape)
+            out = out.view(*q.shape[:-1], v.size(-1))
         else:
             out = torch.cat([self._ring(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal, rows[i])
                              for i in range(q.size(0))])

@@ -166,8 +166,8 @@ def _model_init_wrapper(init, spec_args=("transformer_layer_spec", "mtp_block_sp
 #: HybridModel layers whose own context parallelism assumes Megatron's zigzag layout (their class
 #: names), and layers whose attention the ring does not run at all
 _ZIGZAG_ONLY_LAYERS = {"MambaLayer": "Mamba ('M')", "GatedDeltaNet": "gated delta net ('G')"}
-_UNSUPPORTED_LAYERS = {"DSAttention": "DeepSeek sparse attention ('D')",
-                       "MLASelfAttention": "multi-latent attention ('L')"}
+#: (multi-latent attention, 'L', runs: its core attention is ours, its RoPE follows the layout)
+_UNSUPPORTED_LAYERS = {"DSAttention": "DeepSeek sparse attention ('D')"}
 
 
 def _check_hybrid_layers(model) -> None:
