@@ -63,9 +63,9 @@ def _group_key(group) -> tuple:
 
 
 def _hashable(value: Any) -> Any:
-    if isinstance(value, (list, tuple, torch.Size)):
-        return tuple(_hashable(v) for v in value)
-    return value
+    """``value`` as a dict key: lists become tuples (one level: pass tuples of tuples, not lists of
+    lists); everything else (ints, strings, dtypes, tuples, ``torch.Size``) is used as is."""
+    return tuple(value) if type(value) is list else value
 
 
 def _digest(text: str) -> int:
@@ -135,8 +135,9 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
     Args:
         group: the process group (``None``: the default group); of size 1: nothing to check.
         fields: this rank's signature as ``(name, value)`` pairs, the same names in the same order on
-            every rank; values are compared by ``repr`` (lists, tuples and ``torch.Size`` by their items).
-            ``None`` when ``error`` is given.
+            every rank; values hashable (lists are taken as tuples), compared by ``repr`` across ranks.
+            ``None`` when ``error`` is given.  The per-call cost on a known signature is building
+            this tuple and one dict look-up.
         what: the caller's name, at the head of every message.
         error: this rank's own argument check failed: tell the others (their ``ValueError`` names this
             rank), then raise ``error`` here.  Raised also when no peer joins within ``timeout``.
@@ -157,7 +158,7 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         return
     device = torch.device("cpu") if device is None else torch.device(device)
     if error is None:
-        signature = tuple((name, _hashable(value)) for name, value in fields)
+        signature = tuple([(name, _hashable(value)) for name, value in fields])
         cache = _CACHES.setdefault(_group_key(group), collections.OrderedDict())
         if signature in cache:
             cache.move_to_end(signature)
@@ -176,8 +177,8 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
     if error is not None:
         raise error
     if failed:
-        raise ValueError(f"{what}: the argument checks failed on rank(s) {failed} of the group (their own "
-                         "ValueError says why); no rank started the ring")
+        raise ValueError(f"{what}: the argument checks failed on another rank of the group, rank(s) {failed} "
+                         "(their own ValueError says why); no rank started the ring")
     if any(d != table[0][1] for _, d in table):
         detail = _describe_mismatch(fields, group, device, timeout, what)
         raise ValueError(f"{what}: the ranks of the group were called with different arguments: {detail}. "
