@@ -96,15 +96,16 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             kv_transfer = ring.shift([k_cur, v_cur], f"backward step {step + 1} of {n} (keys/values)") \
                 if step < n - 1 else None
-            with _settle_on_error(kv_transfer, dkv_transfer):
-                # this block's fp32 dK/dV accumulators: fresh for our own block, else the ones
-                # arriving with it (accumulated in fp32 whatever the travel dtype)
-                if dkv_transfer is None:
-                    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-                else:
+            # this block's fp32 dK/dV accumulators: fresh for our own block, else the ones arriving
+            # with it (accumulated in fp32 whatever the travel dtype)
+            if dkv_transfer is None:
+                dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            else:
+                with _settle_on_error(kv_transfer):
                     dk_acc, dv_acc = (t.float() for t in dkv_transfer.wait())
-                    dkv_transfer = None
+                dkv_transfer = None  # its requests hold what we sent the step before
+            with _settle_on_error(kv_transfer):
                 if masked:  # varlen calls add into dq, dk_acc, dv_acc in place
                     for call in plans[step]:
                         kernel.backward_varlen(dout, q, k_cur, v_cur, out, lse, call.segments, scale,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["merge_block", "merge_block_safe", "Accumulator", "to_format", "from_format", "seq_slice",
-           "forward_step", "backward_step", "strict_block_mode", "STRICT_BLOCK_ENV"]
+           "forward_step", "backward_step", "head_splits", "strict_block_mode", "STRICT_BLOCK_ENV"]
 
 STRICT_BLOCK_ENV = "STRIPED_SP_STRICT_BLOCK"
 _ALL = slice(None)
@@ -132,18 +132,54 @@ def forward_step(kernel, q, k, v, calls, scale: float, acc: Accumulator, aligned
         acc.add(call.q, out, lse)
 
 
+def head_splits(heads: int, kv_heads: int) -> list[tuple[slice, slice]]:
+    """``[(query heads, kv heads), ...]``: the parts a backward call is split into so that the
+    kernel's gradient outputs are half the size (attention is independent per head, so the split
+    is exact).  Two halves when the kv heads split evenly (or there is one kv head, which both
+    halves share and whose gradients add); else one part, the whole call."""
+    if heads % 2 or (kv_heads % 2 and kv_heads != 1):
+        return [(_ALL, _ALL)]
+    hq, hk = heads // 2, max(kv_heads // 2, 1)
+    return [(slice(0, hq), slice(0, hk)), (slice(hq, heads), slice(hk if kv_heads > 1 else 0, kv_heads))]
+
+
+def _heads(x: torch.Tensor, part: slice, fmt: str) -> torch.Tensor:
+    return x[:, :, part] if fmt == "bshd" else x[:, part]
+
+
 def backward_step(kernel, dout, q, k, v, out, lse, calls, scale: float, dq: torch.Tensor, fmt: str = "bshd",
-                  aligned: bool = False) -> list:
+                  aligned: bool = False, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+                  split_heads: bool = False) -> list:
     """The kernel backward of ``calls`` with the final ``out``/``lse``: adds into the float32
-    ``dq`` (in ``fmt``) and returns ``[(kv_rows, dk, dv), ...]``, this block's key gradients."""
+    ``dq`` (in ``fmt``) and returns ``[(kv_rows, dk, dv), ...]``, this block's key gradients;
+    given float32 accumulators ``dk``/``dv`` (in ``fmt``) it adds them there instead (each call's
+    gradients are freed at once) and returns ``[]``.
+
+    ``fmt`` is the kernel's :attr:`~striped_sp.kernels.Kernel.tensor_format`, or ``"bshd"`` for
+    any kernel (its ``[b, s, h, d]`` entry point; PyTorch's ops then get transposed views).
+    ``split_heads`` (with ``dk``/``dv``): each call runs in the :func:`head_splits` parts, which
+    halves the kernel's gradient outputs held at once."""
+    native = fmt == kernel.tensor_format
+    if not native and fmt != "bshd":
+        raise ValueError(f"backward_step: format {fmt!r} is neither 'bshd' nor the kernel's {kernel.tensor_format!r}")
+    run = kernel.backward_native if native else kernel.backward
+    into = dk is not None
+    h, kvh = (q.size(2), k.size(2)) if fmt == "bshd" else (q.size(1), k.size(1))
+    parts = head_splits(h, kvh) if into and split_heads else [(_ALL, _ALL)]
     grads = []
     for call in calls:
         rows = _ALL if _aligned(call, aligned) else call.q
-        dq_b, dk_b, dv_b = kernel.backward_native(
-            seq_slice(dout, rows, fmt), seq_slice(q, rows, fmt), seq_slice(k, call.kv, fmt),
-            seq_slice(v, call.kv, fmt), seq_slice(out, rows, fmt), lse[:, :, rows], call.causal, scale)
-        seq_slice(dq, rows, fmt).add_(dq_b)
-        grads.append((call.kv, dk_b, dv_b))
+        for hq, hk in parts:
+            dq_b, dk_b, dv_b = run(*(_heads(seq_slice(t, rows, fmt), hq, fmt) for t in (dout, q)),
+                                   *(_heads(seq_slice(t, call.kv, fmt), hk, fmt) for t in (k, v)),
+                                   _heads(seq_slice(out, rows, fmt), hq, fmt), lse[:, hq, rows], call.causal, scale)
+            _heads(seq_slice(dq, rows, fmt), hq, fmt).add_(dq_b)
+            if into:
+                _heads(seq_slice(dk, call.kv, fmt), hk, fmt).add_(dk_b)
+                _heads(seq_slice(dv, call.kv, fmt), hk, fmt).add_(dv_b)
+            else:
+                grads.append((call.kv, dk_b, dv_b))
+            del dq_b, dk_b, dv_b
     return grads
 
 
