@@ -21,7 +21,9 @@ second waits for it); such a rank is then stopped by the exchange's timeout (the
 :func:`striped_sp.ring.ring_timeout`), with a message that says so.
 
 ``$STRIPED_SP_CHECK_RANKS``: ``1`` (the default) checks, ``0`` turns the check off (ranks that
-disagree then go unnoticed); anything else is a ``ValueError`` naming the variable.
+disagree then go unnoticed), ``always`` checks every call without the cache (one small exchange per
+call: closes the gap above, for bringing up a launch script); anything else is a ``ValueError``
+naming the variable.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import collections
 import datetime
 import hashlib
+import json
 import os
 from typing import Any, Sequence
 
@@ -45,12 +48,13 @@ _CACHES: dict = {}  # group key -> OrderedDict(signature -> None)
 
 
 def check_ranks_enabled() -> bool:
-    """``$STRIPED_SP_CHECK_RANKS``: unset or ``1``: check (the default); ``0``: off; else ``ValueError``."""
+    """``$STRIPED_SP_CHECK_RANKS``: unset or ``1``: check (the default); ``always``: check every call;
+    ``0``: off; else ``ValueError``."""
     value = os.environ.get(CHECK_RANKS_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"${CHECK_RANKS_ENV}={value!r} must be '1' (check that the ranks agree, the default) "
-                         "or '0' (no check)")
-    return value == "1"
+    if value not in ("0", "1", "always"):
+        raise ValueError(f"${CHECK_RANKS_ENV}={value!r} must be '1' (check that the ranks agree once per "
+                         "signature, the default), 'always' (check every call) or '0' (no check)")
+    return value != "0"
 
 
 def clear_cache() -> None:
@@ -107,8 +111,6 @@ def _padded_bytes(text: str, device) -> torch.Tensor:
 
 def _describe_mismatch(fields: Sequence[tuple[str, Any]], group, device, timeout, what: str) -> str:
     """Step 2: every rank's readable values (and per-field digests); the differing fields named."""
-    import json
-
     mine = json.dumps([[name, _readable(value), _digest(repr(_hashable(value)))] for name, value in fields])
     data = _padded_bytes(mine, device)
     lengths = _all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), group, timeout,
@@ -160,7 +162,7 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
     if error is None:
         signature = tuple([(name, _hashable(value)) for name, value in fields])
         cache = _CACHES.setdefault(_group_key(group), collections.OrderedDict())
-        if signature in cache:
+        if signature in cache and os.environ.get(CHECK_RANKS_ENV) != "always":
             cache.move_to_end(signature)
             return
         status, digest = 0, _digest(repr(signature))
@@ -182,7 +184,7 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
     if any(d != table[0][1] for _, d in table):
         detail = _describe_mismatch(fields, group, device, timeout, what)
         raise ValueError(f"{what}: the ranks of the group were called with different arguments: {detail}. "
-                         "Every rank must pass the same values (or set $STRIPED_SP_CHECK_RANKS=0 to skip this check)")
+                         "Every rank must pass the same values: ranks that disagree would compute wrong gradients or hang")
     cache[signature] = None
     if len(cache) > CACHE_SIZE:
         cache.popitem(last=False)

@@ -140,6 +140,24 @@ def check_switch():
         del os.environ["STRIPED_SP_CHECK_RANKS"]
 
 
+def check_always():
+    """$STRIPED_SP_CHECK_RANKS=always: every call is checked, so a rank calling with a signature the
+    group agreed on before while another calls with a new one is a ValueError, not a timeout."""
+    rank = dist.get_rank()
+    agreement.clear_cache()
+    q, k, v = _qkv(s=6)
+    os.environ["STRIPED_SP_CHECK_RANKS"] = "always"
+    try:
+        with _Counter() as c:
+            striped_sp.ring_attention(q, k, v)
+            striped_sp.ring_attention(q, k, v)
+        assert c.calls == 2
+        with pytest.raises(ValueError, match=r"rank 1 passed window_size=\(2, 0\), rank 0 passed None"):
+            striped_sp.ring_attention(q, k, v, window_size=(2, 0) if rank == 1 else None)
+    finally:
+        del os.environ["STRIPED_SP_CHECK_RANKS"]
+
+
 def check_still_exact():
     """After the disagreements above, an agreeing call runs exact (no message left half-sent)."""
     from striped_sp import shard
@@ -157,6 +175,7 @@ CASES = ([(f"differ-{f}", check_field_disagreement, (f,)) for f in FIELDS] + [
     ("differ-many", check_many_fields_named, ()),
     ("cache", check_cached_after_agreement, ()),
     ("switch", check_switch, ()),
+    ("always", check_always, ()),
     ("still-exact", check_still_exact, ()),
 ])
 _results = {}
@@ -185,7 +204,7 @@ def test_digest_is_stable_across_processes():
 def test_switch_values_without_a_group():
     os.environ.pop("STRIPED_SP_CHECK_RANKS", None)
     assert agreement.check_ranks_enabled()
-    for value, on in (("1", True), ("0", False)):
+    for value, on in (("1", True), ("0", False), ("always", True)):
         os.environ["STRIPED_SP_CHECK_RANKS"] = value
         try:
             assert agreement.check_ranks_enabled() is on
