@@ -1,12 +1,14 @@
 """Every test runs seeded, and a failing test prints its seed.
 
-Before each test module is imported and before each test, ``torch``, ``random`` (and ``numpy`` when installed) are seeded with
-:func:`seeds.seed_for` of the test's node id, so inputs drawn from the global generators are the
-same on every run; ``$STRIPED_SP_TEST_SEED`` moves every seed at once (``random``: a fresh draw).
-The ``seed`` fixture hands a test its seed for its own generators; ``world_of_one`` starts a
-gloo process group of this process alone for the test (CP=1 runs of the real code path);
-``deterministic_flags`` records the ``deterministic`` flag of every kernel resolution the ring makes.  A failing test gets a
-``seed`` section in its report naming the seed and how to rerun it.
+Before each test module is imported and before each test, ``torch``, ``random`` (and ``numpy``
+when installed) are seeded with :func:`seeds.seed_for` of the module's or the test's node id, so
+inputs drawn from the global generators are the same on every run; ``$STRIPED_SP_TEST_SEED``
+moves every seed at once (``random``: a fresh draw).  A failing test gets a ``seed`` section in
+its report naming its seed and how to rerun it.
+
+Fixtures: ``seed`` (this test's seed, for its own generators); ``world_of_one`` (a gloo process
+group of this process alone: CP=1 runs of the real code path); ``deterministic_flags`` (the
+``deterministic`` flag of every kernel resolution ``ring_attention`` makes).
 """
 
 from __future__ import annotations
