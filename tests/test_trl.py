@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_helper import check_case, run_cases
 from test_deepspeed_trainer import VOCAB, _ds_json, _setup, _tiny_llama
@@ -119,10 +120,17 @@ def _case_sft(name, batch, ga, n_docs, longest, **sft):
     out = os.path.join(os.environ["STRIPED_SP_TEST_TMP"], name)
     trainer = ContextParallelSFTTrainer(model=_tiny_llama(attn="sdpa"), args=_config(out, batch, ga, **sft),
                                         train_dataset=train, eval_dataset=dev, processing_class=_tokenizer())
+    torch.set_num_threads(1)  # accelerate's CPU state set it to the core count
     rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
     if sft.get("packing"):
         assert max(len(r["seq_lengths"]) for r in rows) > 1, "no row holds two documents"
-    ref, ref_losses, ref_norms = _reference(rows, batch, ga)
+    dev_rows = [trainer.eval_dataset[i] for i in range(len(trainer.eval_dataset))] if dev is not None else None
+    expected = [None]
+    if dist.get_rank() == 0:  # the reference once, on one process
+        ref, ref_losses, ref_norms = _reference(rows, batch, ga)
+        expected = [(ref_losses, ref_norms, _eval_reference(ref, dev_rows, batch) if dev_rows else None)]
+    dist.broadcast_object_list(expected, src=0)
+    ref_losses, ref_norms, ref_eval = expected[0]
     trainer.train()
     logs = [log for log in trainer.state.log_history if "grad_norm" in log]
     got_losses, got_norms = [log["loss"] for log in logs], [log["grad_norm"] for log in logs]
@@ -130,15 +138,12 @@ def _case_sft(name, batch, ga, n_docs, longest, **sft):
     assert all(_rel(a, b) < 1e-4 for a, b in zip(got_losses, ref_losses)), (got_losses, ref_losses)
     assert all(_rel(a, b) < 1e-4 for a, b in zip(got_norms, ref_norms)), (got_norms, ref_norms)
     if dev is not None:
-        dev_rows = [trainer.eval_dataset[i] for i in range(len(trainer.eval_dataset))]
-        got, want = trainer.evaluate()["eval_loss"], _eval_reference(ref, dev_rows, batch)
-        assert _rel(got, want) < 1e-4, (got, want)
+        got = trainer.evaluate()["eval_loss"]
+        assert _rel(got, ref_eval) < 1e-4, (got, ref_eval)
 
 
 def _case_errors():
     """Settings that conflict with SP raise ValueError on every rank, before any collective."""
-    import torch.distributed as dist
-
     from striped_sp.deepspeed.trl import ContextParallelSFTTrainer
 
     out = os.path.join(os.environ["STRIPED_SP_TEST_TMP"], "bad")
@@ -173,6 +178,20 @@ def test_padding_free_collator_batch_is_sharded():
         assert local["seq_idx"][0].tolist() == [doc_of[i] for i in idx]
         assert local["position_ids"][0].tolist() == [i - bounds[doc_of[i]] for i in idx]
         assert int(local["num_items_in_batch"]) == sum(len(d) - 1 for d in docs)
+
+
+def test_router_loss_refused():
+    """A MoE load-balancing loss under SP is refused, naming router_aux_loss_coef (0 turns it off)."""
+    from types import SimpleNamespace
+
+    from striped_sp.deepspeed.trl import _check_router_loss
+
+    moe = SimpleNamespace(config=SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.02))
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.02"):
+        _check_router_loss(moe, SimpleNamespace(router_aux_loss_coef=None))
+    _check_router_loss(moe, SimpleNamespace(router_aux_loss_coef=0.0))
+    dense = SimpleNamespace(config=SimpleNamespace())
+    _check_router_loss(dense, SimpleNamespace(router_aux_loss_coef=0.5))
 
 
 def _case_packing():
