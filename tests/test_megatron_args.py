@@ -125,3 +125,38 @@ def test_attention_backend_flags_choose_the_kernel():
     with pytest.raises(ValueError, match="--attention-backend cudnn is unknown"):
         sm.arguments.kernel_backend_of("cudnn")
     sm.validate_args(_args(attention_backend="fused", deterministic_mode=True))
+
+
+def test_striped_flags_make_one_layout_key():
+    parser = sm.add_arguments(argparse.ArgumentParser())
+    ns = parser.parse_args(["--context-parallel-algo", "striped", "--striped-stripe-size", "4",
+                            "--striped-doc-placement", "auto"])
+    assert sm.algo_of(ns) == "striped:stripe=4,place=auto"
+    assert sm.algo_of(parser.parse_args(["--context-parallel-algo", "striped"])) == "striped"
+    assert sm.algo_of(parser.parse_args(["--context-parallel-algo", "ring"])) == "ring"
+    assert sm.algo_of(_args(striped_doc_placement="64")) == "striped:place=64"
+    assert sm.layout_of("striped:place=64,stripe=2") == "striped:stripe=2,place=64"
+    assert sm.add_arguments(parser) is parser
+    sm.validate_args(_args(striped_stripe_size=4, seq_length=4 * 4 * 3))
+    sm.validate_args(_args(striped_doc_placement="auto", sft=True, calculate_per_token_loss=True,
+                           seq_length=4 * 5))  # whole documents: any multiple of CP
+    with pytest.raises(ValueError, match="unknown"):
+        sm.arguments.check_algo("zigzag:stripe=2")
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(striped_stripe_size=0), "--striped-stripe-size 0 must be a positive integer"),
+    (dict(striped_doc_placement="whole"), "--striped-doc-placement 'whole' must be split, auto or a positive"),
+    (dict(striped_doc_placement="0"), "--striped-doc-placement 0 must be split"),
+    (dict(context_parallel_algo="zigzag", striped_stripe_size=2), "--striped-stripe-size 2 applies to "
+     "--context-parallel-algo striped only"),
+    (dict(context_parallel_algo="ring", striped_doc_placement="auto"), "--striped-doc-placement auto applies to"),
+    (dict(context_parallel_algo="native", striped_stripe_size=8), "--striped-stripe-size 8 applies to"),
+    (dict(striped_stripe_size=3, seq_length=4096), "--striped-stripe-size * --context-parallel-size = 12"),
+    (dict(striped_doc_placement="auto"), "--striped-doc-placement auto needs packed THD rows (--sft)"),
+    (dict(striped_doc_placement="32", sft=True, calculate_per_token_loss=True, reset_attention_mask=True),
+     "--striped-doc-placement 32 places the documents of packed THD rows (--sft) only"),
+])
+def test_striped_flag_errors_name_the_flag(kw, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        sm.validate_args(_args(**kw))

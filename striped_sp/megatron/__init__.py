@@ -13,7 +13,7 @@ Public pieces:
 megatron-core is imported only when a piece that needs it is used.
 """
 
-from .arguments import ALGOS, DEFAULT_ALGO, add_arguments, chain_providers, layout_of, validate_args
+from .arguments import ALGOS, DEFAULT_ALGO, add_arguments, algo_of, chain_providers, layout_of, validate_args
 from .data import get_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank, roll_tensor
 from .hooks import install, installed_algo, uninstall
 from .rope import get_pos_emb_on_this_cp_rank
@@ -22,6 +22,7 @@ __all__ = [
     "ALGOS",
     "DEFAULT_ALGO",
     "add_arguments",
+    "algo_of",
     "chain_providers",
     "layout_of",
     "validate_args",

@@ -10,6 +10,7 @@ import argparse
 from typing import Callable, Optional
 
 from ..layouts import get_layout
+from ..placement import check_placement
 from ..ring import set_ring_timeout
 
 
@@ -24,35 +25,91 @@ DEFAULT_ALGO = "native"
 
 
 def check_algo(algo: str) -> str:
-    """``algo`` itself if it names an algorithm; ``ValueError`` naming the flag otherwise."""
-    if algo not in ALGOS:
+    """``algo`` itself if it names an algorithm; ``ValueError`` naming the flag otherwise.
+
+    Besides the names of :data:`ALGOS`, a striped layout key with parameters
+    (``"striped:stripe=4,place=auto"``, what :func:`algo_of` gives for ``--striped-stripe-size`` /
+    ``--striped-doc-placement``) is an algo: every adapter function takes it where it takes
+    ``"striped"``."""
+    base, sep, params = str(algo).partition(":")
+    if base not in ALGOS or (sep and base != "striped"):
         raise ValueError(
-            f"--context-parallel-algo {algo!r} is unknown: choose one of {sorted(ALGOS)}"
+            f"--context-parallel-algo {algo!r} is unknown: choose one of {sorted(ALGOS)} "
+            "(or a striped layout key 'striped:stripe=S,place=P')"
         )
+    if sep:
+        get_layout(algo)  # ValueError naming a bad stripe / place parameter
     return algo
 
 
+def algo_name(algo: str) -> str:
+    """The algorithm of ``algo`` without layout parameters (``"striped:stripe=4"`` -> ``"striped"``)."""
+    return check_algo(algo).partition(":")[0]
+
+
 def layout_of(algo: str) -> str:
-    """The striped_sp layout that a non-native ``algo`` runs (``ring`` -> ``contiguous``)."""
-    layout = ALGOS[check_algo(algo)]
+    """The striped_sp layout key that a non-native ``algo`` runs (``ring`` -> ``contiguous``;
+    ``striped:stripe=4`` -> itself)."""
+    layout = ALGOS[algo_name(algo)]
     if layout is None:
         raise ValueError(
             "--context-parallel-algo native runs Megatron's own context parallelism and has no "
             f"striped_sp layout: choose one of {sorted(a for a in ALGOS if ALGOS[a])}"
         )
-    return layout
+    return get_layout(algo if ":" in algo else layout).key
+
+
+def _stripe_size(args) -> int:
+    value = getattr(args, "striped_stripe_size", 1)
+    value = 1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--striped-stripe-size {value!r} must be a positive integer (1: token by token)")
+    return value
+
+
+def _doc_placement(args):
+    value = getattr(args, "striped_doc_placement", "split")
+    value = "split" if value is None else value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    try:
+        return check_placement(value)
+    except ValueError:
+        raise ValueError(
+            f"--striped-doc-placement {value!r} must be split, auto or a positive integer (the longest "
+            "document kept whole on one rank)") from None
+
+
+def algo_of(args) -> str:
+    """The one algo string of ``--context-parallel-algo``, ``--striped-stripe-size`` and
+    ``--striped-doc-placement``: the algo name, or for striped with parameters its layout key
+    (``"striped:stripe=4,place=auto"``).  Pass it wherever an ``algo`` goes (:func:`install`, the
+    batch slicing, the spec).  ``ValueError`` names the flag: the two striped flags with another
+    algo, a stripe size below 1, a placement other than split / auto / a positive integer."""
+    algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
+    stripe, place = _stripe_size(args), _doc_placement(args)
+    if algo_name(algo) != "striped":
+        for flag, value, default in (("--striped-stripe-size", stripe, 1), ("--striped-doc-placement", place, "split")):
+            if value != default:
+                raise ValueError(f"{flag} {value} applies to --context-parallel-algo striped only, not {algo}: "
+                                 f"drop it or use --context-parallel-algo striped")
+        return algo
+    return get_layout(algo, stripe if stripe != 1 else None, place if place != "split" else None).key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--context-parallel-algo`` to ``parser`` and return it.
+    """Add ``--context-parallel-algo``, ``--striped-stripe-size``, ``--striped-doc-placement`` and
+    ``--context-parallel-timeout-s`` to ``parser`` (those it lacks) and return it.
 
     Usable as Megatron's ``extra_args_provider``; see :func:`chain_providers` to combine it
     with another provider.  Adding it twice is a no-op.
     """
-    if any("--context-parallel-algo" in a.option_strings for a in parser._actions):
+    known = {o for a in parser._actions for o in a.option_strings}
+    if {"--context-parallel-algo", "--striped-stripe-size"} <= known:
         return parser
     group = parser.add_argument_group(title="striped_sp context parallelism")
-    group.add_argument(
+    add = lambda flag, **kw: None if flag in known else group.add_argument(flag, **kw)  # noqa: E731
+    add(
         "--context-parallel-algo",
         type=str,
         default=DEFAULT_ALGO,
@@ -64,7 +121,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "'ring': the same engine with contiguous chunks (original Ring Attention). "
         "The last three need --context-parallel-size > 1.",
     )
-    group.add_argument(
+    add(
+        "--striped-stripe-size",
+        type=int,
+        default=1,
+        help="--context-parallel-algo striped: deal tokens to the CP ranks in stripes of this many "
+        "(1: token by token, the paper's layout; larger stripes mean fewer, larger kernel calls on "
+        "packed rows and windows). Without document placement --seq-length must be a multiple of "
+        "CP * stripe size.",
+    )
+    add(
+        "--striped-doc-placement",
+        type=str,
+        default="split",
+        help="--context-parallel-algo striped on packed THD rows (--sft): 'split' stripes every "
+        "document over all CP ranks; an integer L keeps documents of at most L tokens whole on one "
+        "rank (dealt by a balancing solver) and stripes the rest; 'auto' lets the cost model pick L.",
+    )
+    add(
         "--context-parallel-timeout-s",
         type=float,
         default=None,
@@ -142,9 +216,11 @@ def validate_args(args) -> None:
     ``--context-parallel-timeout-s`` this process's ring timeout (validate_args runs on every rank).
     """
     algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
-    if ALGOS[algo] is None:
+    key = algo_of(args)  # the striped flags: valid, and with striped only
+    if ALGOS[algo_name(algo)] is None:
         return
     flag = f"--context-parallel-algo {algo}"
+    _check_striped_flags(args, key)
     _apply_timeout(args)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if cp < 2:
@@ -154,11 +230,13 @@ def validate_args(args) -> None:
         )
     seq_length = getattr(args, "seq_length", None)
     if seq_length is not None:
-        lay = get_layout(layout_of(algo))
+        lay = get_layout(layout_of(key))
         unit = cp * lay.seq_multiple
         if seq_length % unit != 0:
-            rule = f"2 * --context-parallel-size = {unit}" if lay.seq_multiple > 1 else (
-                f"--context-parallel-size = {unit}")
+            rule = f"--context-parallel-size = {unit}"
+            if lay.seq_multiple > 1:
+                times = "2" if lay.name == "zigzag" else "--striped-stripe-size"
+                rule = f"{times} * {rule}"
             raise ValueError(
                 f"{flag}: --seq-length {seq_length} must be a multiple of {rule}: change "
                 "--seq-length or --context-parallel-size"
@@ -247,6 +325,26 @@ def validate_args(args) -> None:
             f"{flag} sends and receives inside attention and cannot be captured in CUDA graphs yet: "
             "set --cuda-graph-impl none (and drop --external-cuda-graph / --enable-cuda-graph)"
         )
+
+
+def _check_striped_flags(args, key: str) -> None:
+    """``--striped-doc-placement`` places the documents of packed THD rows (``--sft``).  On ``[b, s]``
+    batches (``--reset-attention-mask``) Megatron's RoPE slices one table for every row, which
+    cannot follow a per-row placement, and MTP's roll there knows no documents: refused.  Without
+    documents a placement would do nothing: refused too, so that a flag never silently does nothing."""
+    lay = get_layout(layout_of(key))
+    if not getattr(lay, "placed", False):
+        return
+    place = f"--striped-doc-placement {lay.doc_placement}"
+    if getattr(args, "reset_attention_mask", False):
+        raise ValueError(
+            f"{place} places the documents of packed THD rows (--sft) only: with --reset-attention-mask "
+            "Megatron's RoPE takes one table for every row of a [b, s] batch, which cannot follow a "
+            "per-row placement; use --sft packed rows or --striped-doc-placement split")
+    if not getattr(args, "sft", False):
+        raise ValueError(
+            f"{place} needs packed THD rows (--sft) to place documents; without them it would do "
+            "nothing: add --sft or drop the flag (--striped-doc-placement split)")
 
 
 def _apply_timeout(args) -> None:

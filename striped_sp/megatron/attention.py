@@ -25,7 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import ring_attention
-from ..layouts import positions
+from ..layouts import get_layout, positions
 from . import packed
 from .arguments import kernel_backend_of, layout_of
 
@@ -48,7 +48,8 @@ class ContextParallelAttention(MegatronModule):
     query/key and value head dims; they differ under multi-latent attention, whose RoPE Megatron
     applies to the positional part of q/k before this module (at the layout's positions once
     :func:`striped_sp.megatron.install` ran); its fused MLA RoPE is refused.
-    Args (ours): ``algo``: ``striped``, ``zigzag`` or ``ring``; ``backend``: the striped_sp
+    Args (ours): ``algo``: ``striped``, ``zigzag`` or ``ring``, or a striped layout key
+    (``"striped:stripe=4,place=auto"``, :func:`~striped_sp.megatron.algo_of`); ``backend``: the striped_sp
     kernel backend (``auto``, ``torch``, ``flash_attn``, ``math``); ``auto`` follows
     ``config.attention_backend`` (``--attention-backend``: flash -> flash_attn, fused -> torch,
     unfused/local -> math).  ``config.deterministic_mode`` asks for a reproducible backward; FP8
@@ -73,7 +74,9 @@ class ContextParallelAttention(MegatronModule):
     ):
         super().__init__(config=config)
         self.algo = algo
+        #: the layout key (``"striped"``, or ``"striped:stripe=4,place=auto"`` from --striped-* flags)
         self.layout = layout_of(algo)
+        self._layout = get_layout(self.layout)
         self.backend = backend
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
@@ -222,16 +225,17 @@ class ContextParallelAttention(MegatronModule):
             if q.size(0) != 1:
                 raise ValueError(f"{flag}: packed THD rows have batch 1, got query {tuple(query.shape)}")
             bounds = packed.documents_of(packed_seq_params, seq_len, self.layout)
-            if not causal and self.layout == "zigzag" and _padded(packed_seq_params):
-                raise ValueError(f"{flag}: zigzag keeps padding inside its document, which only causal "
-                                 "attention ignores: use --context-parallel-algo striped for this mask")
+            if not causal and packed.keeps_padding(self.layout) and _padded(packed_seq_params):
+                raise ValueError(f"{flag} keeps padding inside its document, which only causal attention "
+                                 "ignores: use --context-parallel-algo striped (--striped-doc-placement "
+                                 "split) for this mask")
             rows = [bounds if len(bounds) > 2 else None]
         else:
             documents = self._documents(attention_mask, q.size(1), q.size(0))
             rows = None if documents is None else [documents[i % len(documents)] for i in range(q.size(0))]
         if rows is None or rows == [None]:
             out = self._ring(q, k, v, causal, None)
-        elif self.layout == "striped":
+        elif self._flattens(q.size(1)):
             # A [b, s/N] striped shard is the striped shard of the b rows laid end to end.
             flat = packed.flatten_rows(tuple(rows), len(rows))
             out = self._ring(*(t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v)), causal, flat)
@@ -244,6 +248,14 @@ class ContextParallelAttention(MegatronModule):
         # [b, s, h, d] -> [s, b, h * d]
         out = out.transpose(0, 1)
         return out.reshape(out.size(0), out.size(1), -1)
+
+    def _flattens(self, local_len: int) -> bool:
+        """Whether the rows of a ``[b, local_len]`` shard run as one flattened row: striped without
+        document placement, each row a whole number of stripes per rank (``local_len`` a multiple of
+        the stripe size), so that stripe ``g`` of row ``i`` is stripe ``i * S / s + g`` of the flat row
+        and lands on the same rank."""
+        lay = self._layout
+        return lay.name == "striped" and not lay.placed and local_len % lay.stripe_size == 0
 
     def _ring(self, q, k, v, causal: bool, cu_seqlens):
         return ring_attention(

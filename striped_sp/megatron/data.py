@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..layouts import get_layout, shard, unshard
 from . import packed
-from .arguments import check_algo, layout_of
+from .arguments import algo_name, check_algo, layout_of
 
 __all__ = ["get_batch_on_this_cp_rank", "get_thd_batch_on_this_cp_rank", "roll_tensor", "cp_size_and_rank"]
 
@@ -101,7 +101,12 @@ def get_batch_on_this_cp_rank(
         if len(set(lens.values())) != 1:
             raise ValueError(f"batch tensors disagree on the sequence length: {lens}")
         get_layout(layout).check_seq_len(next(iter(lens.values())), size)
-    if documents is not None and layout == "zigzag" and any(len(b) > 2 for b in documents):
+    if documents is not None and packed.keeps_padding(layout) and any(len(b) > 2 for b in documents):
+        if algo_name(algo) != "zigzag":  # a striped doc_placement
+            raise ValueError(
+                f"--context-parallel-algo {algo}: --striped-doc-placement places the documents of packed "
+                "THD rows (--sft) only, not those of --reset-attention-mask [b, s] batches (Megatron's RoPE "
+                "takes one table for every row): use --striped-doc-placement split")
         raise ValueError(
             "--context-parallel-algo zigzag cuts each packed document into 2 * CP chunks and cannot "
             "run the documents of --reset-attention-mask inside whole rows: use --context-parallel-algo "
@@ -133,7 +138,7 @@ def get_thd_batch_on_this_cp_rank(
     document boundaries, ``cu_seqlens_padded`` where each document sits in the buffer (``None``:
     no padding), ``max_seqlen`` the longest document (an int or a tensor).  Every ``[1, t]``
     tensor is sliced on dim 1 in ``algo``'s layout (``zigzag``: per document, as Transformer
-    Engine does).  Returns ``(batch, packed_seq_params)``; the params carry the ring's bounds.
+    Engine does; a striped layout key with ``place=``: by the documents, each padded one whole).  Returns ``(batch, packed_seq_params)``; the params carry the ring's bounds.
     """
     check_algo(algo)
     if algo == "native":
@@ -161,7 +166,7 @@ def get_thd_batch_on_this_cp_rank(
     lay = get_layout(layout)
     lay.check_seq_len(seq_len, cp_size)
     bounds = packed.documents_of(params, seq_len, layout)
-    # zigzag shards each document; the others shard the row and ignore the bounds
+    # zigzag and a striped doc_placement place tokens by the documents; the others ignore them
     from ..masks import check_cu_seqlens
 
     check_cu_seqlens(bounds, seq_len, cp_size, lay)
@@ -172,7 +177,7 @@ def get_thd_batch_on_this_cp_rank(
             raise ValueError(f"batch[{key!r}] has shape {tuple(val.shape)}: expected [1, {seq_len}, ...]")
     out = dict(batch)
     if cp_size > 1:
-        cut = bounds if layout == "zigzag" else None
+        cut = bounds if packed.keeps_padding(layout) else None
         for key, val in batch.items():
             if key not in _THD_SKIP and isinstance(val, torch.Tensor):
                 out[key] = shard(val, cp_size, cp_rank, dim=1, layout=layout, cu_seqlens=cut)
@@ -208,7 +213,7 @@ def roll_tensor(
     if packed_seq_params is not None:
         # roll inside each document's real tokens (padding apart); zigzag shards by padded documents
         bounds = packed.documents_of(packed_seq_params, seq, "striped")
-        cut = packed.documents_of(packed_seq_params, seq, layout) if layout == "zigzag" else None
+        cut = packed.documents_of(packed_seq_params, seq, layout) if packed.keeps_padding(layout) else None
     if size == 1:
         full = tensor
     else:

@@ -314,7 +314,9 @@ def _apply() -> None:
 def install(algo: str = "striped", backend: str = "auto") -> None:
     """Patch Megatron so that its RoPE, data path, specs and MTP follow ``algo``'s layout.
 
-    ``algo`` is ``striped``, ``zigzag`` or ``ring``; ``native`` uninstalls.  Idempotent;
+    ``algo`` is ``striped``, ``zigzag`` or ``ring`` (or a striped layout key such as
+    ``"striped:stripe=4,place=auto"``: :func:`~striped_sp.megatron.algo_of` of the parsed
+    arguments); ``native`` uninstalls.  Idempotent;
     calling it again with another algo switches the algo everywhere.  A megatron-core release
     outside the tested range (:mod:`.version`) raises ``ValueError`` naming it and the override.
     """

@@ -7,6 +7,8 @@ global bounds for the whole buffer: :func:`thd_bounds` cuts each padded document
 tokens and its padding (two documents, so nobody attends across them: exact for any mask) under
 ``striped`` and ``contiguous``; ``zigzag`` keeps Megatron's padded documents (its layout cuts each
 into ``2 * CP`` chunks), which is exact for causal attention, where no real token sees a later one.
+A striped layout with a ``doc_placement`` keeps them too (:func:`keeps_padding`): its token order
+depends on the bounds, and Megatron's RoPE sees only the padded ones.
 
 ``--reset-attention-mask`` builds a full ``[b, 1, s, s]`` boolean mask (``True`` = masked) with
 one causal block per document; :func:`documents_from_mask` reads the bounds back from it and
@@ -21,7 +23,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["thd_bounds", "documents_of", "documents_from_mask", "attach", "attached", "flatten_rows",
+from ..layouts import get_layout
+
+__all__ = ["keeps_padding", "thd_bounds", "documents_of", "documents_from_mask", "attach", "attached", "flatten_rows",
            "batch_seq_len"]
 
 _CACHE_ATTR = "_striped_sp_bounds"
@@ -40,11 +44,21 @@ def boundary_ints(t) -> tuple[int, ...]:
     return tuple(int(x) for x in t)
 
 
+def keeps_padding(layout: str) -> bool:
+    """Whether ``layout`` (a layout key) places tokens by the documents (``zigzag``: per document; a
+    striped ``doc_placement``: whole documents on one rank), and so keeps each padded THD document
+    whole, padding inside: then data, attention and RoPE (which gets only the padded boundaries
+    from Megatron) all see the same documents and place the tokens alike."""
+    lay = get_layout(layout)
+    return lay.name == "zigzag" or bool(getattr(lay, "placed", False))
+
+
 def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tuple[int, ...]:
     """Global document bounds of a THD buffer of ``seq_len`` tokens for the ring.
 
     ``cu_seqlens``: real boundaries ``[0, l1, l1+l2, ...]``; ``cu_seqlens_padded``: the padded
-    ones (``None``: no padding).  Documents of length 0 (repeated boundaries) are dropped; tokens
+    ones (``None``: no padding).  The padding of a document is a document of its own unless
+    :func:`keeps_padding` (``layout``).  Documents of length 0 (repeated boundaries) are dropped; tokens
     after the last padded boundary form one more document.  ``ValueError`` names the rule broken.
     """
     real = boundary_ints(cu_seqlens)
@@ -54,6 +68,7 @@ def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tupl
                          "they must describe the same documents")
     if not real or real[0] != 0 or padded[0] != 0:
         raise ValueError(f"cu_seqlens={list(real[:6])} and cu_seqlens_padded={list(padded[:6])} must start at 0")
+    split = not keeps_padding(layout)
     out = [0]
     for i in range(len(real) - 1):
         n, room = real[i + 1] - real[i], padded[i + 1] - padded[i]
@@ -62,7 +77,7 @@ def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tupl
                              f"(cu_seqlens={list(real[:6])}..., cu_seqlens_padded={list(padded[:6])}...)")
         if room == 0:
             continue
-        if 0 < n < room and layout != "zigzag":
+        if 0 < n < room and split:
             out.append(padded[i] + n)
         out.append(padded[i + 1])
     if out[-1] > seq_len:

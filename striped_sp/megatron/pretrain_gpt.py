@@ -19,7 +19,7 @@ import runpy
 import sys
 from typing import Optional
 
-from .arguments import DEFAULT_ALGO, add_arguments, chain_providers, validate_args
+from .arguments import DEFAULT_ALGO, add_arguments, algo_of, chain_providers, validate_args
 from .hooks import install
 
 __all__ = ["find_megatron_lm", "hook_initialize", "hook_megatron_arguments", "main"]
@@ -81,7 +81,7 @@ def hook_megatron_arguments() -> None:
 
 def _check_and_install(args) -> None:
     validate_args(args)
-    algo = getattr(args, "context_parallel_algo", DEFAULT_ALGO)
+    algo = algo_of(args)  # with --striped-stripe-size / --striped-doc-placement: the layout key
     if algo != DEFAULT_ALGO:
         install(algo)
 
