@@ -1,9 +1,17 @@
-"""Command line: striped-sp bench MODE [options] [--json PATH] [--plot PATH]
+"""Command line: ``striped-sp bench MODE [options]`` and ``striped-sp patch``.
 
-Modes:
-  balance  the work model: each layout's critical path over the ideal, per ring size N
-  sim      N ranks simulated on one device with the real kernels (CPU now, CUDA when present)
-  run      a real multi-process run (gloo on CPU, NCCL on CUDA) with the peers torch_ring, ulysses
+bench modes (``striped-sp bench MODE --help`` for each one's options and defaults):
+  balance    the work model: each layout's critical path over the ideal, per ring size N
+  sim        N ranks simulated on one device with the real kernels (CPU now, CUDA when present)
+  run        a real multi-process run (gloo on CPU, NCCL on CUDA) with the peers torch_ring, ulysses
+  hier       a model of hierarchical CP: the predicted time of every Ulysses x ring split
+  precision  bf16 gradient error against N for each dtype dK/dV travel the ring in
+
+patch: the Megatron-LM patch files shipped with the package
+  striped-sp patch --list                              the tags and the paths
+  striped-sp patch --print core_v0.19.0 | git apply    (in a Megatron-LM checkout)
+
+Progress bars go to stderr (tqdm, the bench extra); the tables go to stdout.
 """
 
 from __future__ import annotations
@@ -34,6 +42,20 @@ def _names(choices):
     return parse
 
 
+def _layout_names(text: str) -> list[str]:
+    """Layout names, parameters included (``striped:stripe=128,place=auto``), separated by spaces
+    or ``;`` (a comma also separates plain names)."""
+    from .layouts import get_layout
+
+    vals = [x for x in text.replace(";", " ").split() if x]
+    if len(vals) == 1 and ":" not in vals[0]:
+        vals = [x for x in vals[0].split(",") if x]
+    try:
+        return [get_layout(v).key for v in vals] or _names(LAYOUT_NAMES)("")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _docs_spec(text: str) -> str:
     from .bench.docs import parse_docs
 
@@ -62,43 +84,65 @@ def _masks(p: argparse.ArgumentParser) -> None:
                    help="sliding window: a query sees the W keys before it (window_size=(W, 0)); 0: none")
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and appends ``(default: X)`` to every option whose help
+    does not state its default already (lists shown comma-separated; None / False not shown)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or d is None or d is False or d is argparse.SUPPRESS or d == []
+                or "default" in text.lower()):
+            return text
+        shown = ",".join(map(str, d)) if isinstance(d, (list, tuple)) else str(d)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: the bench extra)")
-    p.add_argument("--layouts", type=_names(LAYOUT_NAMES), default=list(LAYOUT_NAMES),
-                   help="comma-separated layouts (default: all)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG plot (needs matplotlib, the bench extra: checked before the work starts)")
+    p.add_argument("--layouts", type=_layout_names, default=list(LAYOUT_NAMES),
+                   help="layouts separated by spaces or ';', some of " + ", ".join(LAYOUT_NAMES)
+                   + "; striped takes parameters: 'striped:stripe=128', 'striped:place=auto', "
+                   "'striped:stripe=64,place=512'")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _shape(p: argparse.ArgumentParser, heads: int) -> None:
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    p.add_argument("--heads", type=int, default=heads, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA/MQA); default: --heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16; auto: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--backend", default="auto", help="kernel backend of ring_attention (default auto)")
+    p.add_argument("--backend", default="auto", help="kernel backend of ring_attention (auto: the best available)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="striped-sp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision")
-    modes = bench.add_subparsers(dest="mode", required=True)
+    p = argparse.ArgumentParser(prog="striped-sp", description=__doc__, formatter_class=_Formatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,patch}")
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision",
+                           description="Benchmarks and models; `striped-sp bench MODE --help` for a mode's options.")
+    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision}")
 
-    b = modes.add_parser("balance", help="work model: critical path over ideal per layout and N")
+    b = modes.add_parser("balance", help="work model: critical path over ideal per layout and N",
+                         description="The work model (no kernels run): attention score entries per ring step;\n"
+                                     "each layout's critical path over the ideal, per ring size N.")
     _common(b)
-    b.add_argument("--world-sizes", type=_ints, default=[2, 4, 8, 16, 32, 64])
-    b.add_argument("--tokens-per-rank", type=int, default=4096)
+    b.add_argument("--world-sizes", type=_ints, default=[2, 4, 8, 16, 32, 64], help="ring sizes N to sweep")
+    b.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens per rank")
     _masks(b)
 
-    s = modes.add_parser("sim", help="N ranks simulated on one device with the real kernels")
+    s = modes.add_parser("sim", help="N ranks simulated on one device with the real kernels",
+                         description="N ranks simulated on one device with the real kernels: every distinct\n"
+                                     "(rank, step) block plan timed, the critical path summed over the ring steps.")
     _common(s)
     _shape(s, heads=4)
-    s.add_argument("--world-sizes", type=_ints, default=[8])
+    s.add_argument("--world-sizes", type=_ints, default=[8], help="ring sizes N to sweep")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--seq-lens", type=_ints, help="global sequence lengths to sweep")
-    g.add_argument("--tokens-per-rank", type=_ints, help="tokens per rank to sweep (seq = tokens * N)")
+    g.add_argument("--tokens-per-rank", type=_ints,
+                   help="tokens per rank to sweep (seq = tokens * N); default 4096 when --seq-lens is not given")
     s.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
     s.add_argument("--reps", type=int, default=3, help="timed repetitions per distinct block plan (median)")
     s.add_argument("--link-gbps", type=float, default=None,
@@ -108,25 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-reference", action="store_true",
                    help="skip the single-device full causal run (efficiency left empty)")
     s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")
-    s.add_argument("--plot-pass", default="fwd+bwd", choices=["forward", "backward", "fwd+bwd"])
+    s.add_argument("--plot-pass", default="fwd+bwd", choices=["forward", "backward", "fwd+bwd"],
+                   help="the pass the --plot shows")
     s.add_argument("--strict-block", choices=["sliced", "aligned"], default=None,
                    help="the striped strict block's form (default: the kernel's; aligned needs a bottom-right causal kernel)")
     s.add_argument("--tensor-format", choices=["native", "bshd"], default="native",
                    help="native: the kernel's own memory format (as the ring); bshd: through its [b, s, h, d] API")
     _masks(s)
 
-    r = modes.add_parser("run", help="real multi-process run with the peers")
+    r = modes.add_parser("run", help="real multi-process run with the peers",
+                         description="A real multi-process run (gloo on CPU, NCCL on CUDA): fwd+bwd of each\n"
+                                     "layout and peer, median over iterations of the slowest rank.")
     _common(r)
     _shape(r, heads=4)
-    r.add_argument("--world-size", type=int, default=2)
+    r.add_argument("--world-size", type=int, default=2, help="ranks N (processes)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--seq-lens", type=_ints, help="global sequence lengths to sweep")
     g.add_argument("--tokens-per-rank", type=_ints, help="tokens per rank to sweep (default 4096)")
     r.add_argument("--peers", default="torch_ring,ulysses",
                    help="comma-separated peers (torch_ring, ulysses) or 'none'")
     r.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when there are N GPUs)")
-    r.add_argument("--warmup", type=int, default=2)
-    r.add_argument("--iters", type=int, default=7)
+    r.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    r.add_argument("--iters", type=int, default=7, help="timed fwd+bwd iterations (median)")
     r.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default cores // N)")
     r.add_argument("--no-pin", action="store_true", help="CPU: do not pin each rank to its own core(s)")
     r.add_argument("--profile", action="store_true",
@@ -140,7 +187,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     hier.register(modes)
     precision.register(modes)
+    _patch_parser(sub)
+    for parser in (p, bench, *modes.choices.values(), *sub.choices.values()):
+        parser.formatter_class = _Formatter
     return p
+
+
+def _patch_parser(sub) -> None:
+    p = sub.add_parser("patch", help="the Megatron-LM patch files shipped with the package",
+                       description="The Megatron-LM patches (one per release line) that add --context-parallel-algo\n"
+                                   "to pretrain_gpt.py (docs/megatron.md).  TAG: a Megatron-LM tag (core_v0.19.0)\n"
+                                   "or a megatron-core version (0.19.2: the patch of its release line).\n"
+                                   "In a Megatron-LM checkout: striped-sp patch --print core_v0.19.0 | git apply")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--list", action="store_true", help="print every shipped patch: tag and path")
+    g.add_argument("--print", metavar="TAG", dest="print_tag", help="print the patch for TAG (pipe it to git apply)")
+    g.add_argument("--path", metavar="TAG", dest="path_tag", help="print the path of the patch file for TAG")
+
+
+def _patch(args) -> int:
+    from .patch_files import available, patch_path, read_patch
+
+    if args.list:
+        for tag, path in available().items():
+            print(f"{tag}\t{path}")
+    elif args.path_tag:
+        print(patch_path(args.path_tag))
+    else:
+        sys.stdout.write(read_patch(args.print_tag))
+    return 0
 
 
 def _seq_lens(args, world_sizes, default_tpr):
@@ -153,7 +228,16 @@ def _masked_balance(args) -> int:
     from .bench.report import format_table, plot_balance, write_json
     from .bench.work import masked_balance_records
 
-    recs = masked_balance_records(args.layouts, args.world_sizes, args.tokens_per_rank, args.docs, args.window)
+    from .bench.sim import Bar
+
+    # a bar weighted by the N^2 block plans of each (N, layout): the large N take most of the time
+    bar = Bar(sum(n * n for n in args.world_sizes) * len(args.layouts), "balance (block plans)", not args.no_progress)
+    recs = []
+    for n in args.world_sizes:
+        for lay in args.layouts:
+            recs += masked_balance_records([lay], [n], args.tokens_per_rank, args.docs, args.window)
+            bar.tick(n * n)
+    bar.close()
     print(f"work model: attention score entries per ring step, {args.tokens_per_rank} tokens per rank, "
           f"documents {args.docs or 'one per row'}, window {args.window or 'none'};\n"
           "critical path = sum over steps of the busiest rank; ideal = visible score entries of the "
@@ -325,7 +409,7 @@ def _run(args) -> int:
             for r in recs]
     print(format_table(rows, [("impl", "impl"), ("world_size", "N"), ("seq_len", "seq_len"), ("tpr", "tokens/rank"),
                               ("median_ms", "median ms"), ("speedup_vs_contiguous", "vs contiguous"),
-                              ("note", "note")]))
+                              ("peak_mib", "peak MiB/rank"), ("note", "note")]))
     if profile:
         print("\nwhere the time goes (ms per iteration, median; 'other' = total - kernel - merge - wait):")
         prow = []
@@ -347,13 +431,22 @@ def _run(args) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "bench":
-        return 2
-    handler = args.run if args.mode in ("hier", "precision") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
+    if args.command == "patch":
+        name, handler = "striped-sp patch", _patch
+    else:
+        name = f"striped-sp bench {args.mode}"
+        handler = args.run if args.mode in ("hier", "precision") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
+    if getattr(args, "plot", None):  # before the work, not after it
+        from .bench.report import check_plotting
+
+        try:
+            check_plotting()
+        except ImportError as e:
+            parser.exit(2, f"{name}: {e}\n")
     try:
         return handler(args)
     except ValueError as e:  # a bad setting: its message, not a traceback
-        parser.exit(2, f"striped-sp bench {args.mode}: {e}\n")
+        parser.exit(2, f"{name}: {e}\n")
 
 
 if __name__ == "__main__":

@@ -89,13 +89,19 @@ def model_records(cfg: HierConfig) -> list[dict]:
 
 def register(modes) -> None:
     """Add ``striped-sp bench hier`` to the bench sub-commands."""
-    p = modes.add_parser("hier", help="model: predicted time of every Ulysses x ring split (hierarchical CP)")
+    p = modes.add_parser("hier", help="model: predicted time of every Ulysses x ring split (hierarchical CP)",
+                         description="A model (FLOPs and bytes, nothing runs): the predicted forward + backward time\n"
+                                     "of one attention layer for every Ulysses x ring split of N ranks.")
     defaults = HierConfig()
-    p.add_argument("--world-sizes", default="8,16,32,64,128,256")
+    p.add_argument("--world-sizes", default="8,16,32,64,128,256", help="comma-separated ranks N")
+    helps = {"tokens_per_rank": "tokens per rank", "heads": "query heads", "kv_heads": "key/value heads",
+             "head_dim": "head dimension", "ranks_per_node": "ranks (GPUs) per node",
+             "tflops": "achieved attention TFLOP/s per GPU", "intra_gbps": "GB/s per GPU inside a node (NVLink)",
+             "inter_gbps": "GB/s per GPU across nodes (InfiniBand)"}
     for name in ("tokens_per_rank", "heads", "kv_heads", "head_dim", "ranks_per_node"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name), help=helps[name])
     for name in ("tflops", "intra_gbps", "inter_gbps"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name), help=helps[name])
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: predicted time over pure ring, per split and N")
     p.set_defaults(run=_main)

@@ -34,6 +34,7 @@ class PrecisionConfig:
     layout: str = "striped"
     comm_dtypes: tuple = ("float32", "bfloat16")
     seed: int = 0
+    progress: bool = True  # a bar over the world sizes on stderr (tqdm)
 
 
 def _reference(cfg: PrecisionConfig):
@@ -78,9 +79,11 @@ def _worker(rank, n, cfg, init_file, results):
 def measure(cfg: PrecisionConfig) -> list[dict]:
     """``[{"world_size", "grad_comm_dtype", "dq", "dk", "dv"}]``: relative errors (norm of the
     difference over norm of the reference, whole sequence) of bf16 runs."""
+    from .common import progress
+
     records = []
     ctx = mp.get_context("spawn")
-    for n in cfg.world_sizes:
+    for n in progress(cfg.world_sizes, total=len(cfg.world_sizes), desc="precision N", enabled=cfg.progress):
         if cfg.tokens % n:
             raise ValueError(f"tokens={cfg.tokens} must divide by every world size (got {n})")
         results = ctx.Queue()
@@ -103,15 +106,18 @@ def measure(cfg: PrecisionConfig) -> list[dict]:
 
 def register(modes) -> None:
     """Add ``striped-sp bench precision``."""
-    p = modes.add_parser("precision", help="bf16 gradient error against N for each grad_comm_dtype")
-    p.add_argument("--world-sizes", default="2,3,4,5,6,7,8")
-    p.add_argument("--tokens", type=int, default=840)
+    p = modes.add_parser("precision", help="bf16 gradient error against N for each grad_comm_dtype",
+                         description="bf16 gradient error against the ring size N, for each dtype dK/dV travel\n"
+                                     "the ring in (N gloo processes on this machine per ring size).")
+    p.add_argument("--world-sizes", default="2,3,4,5,6,7,8", help="comma-separated ranks N, one run each")
+    p.add_argument("--tokens", type=int, default=840, help="global sequence length (divisible by every N)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=_main)
 
 
 def _main(args) -> int:
     sizes = tuple(int(x) for x in args.world_sizes.split(",") if x)
-    recs = measure(PrecisionConfig(world_sizes=sizes, tokens=args.tokens))
+    recs = measure(PrecisionConfig(world_sizes=sizes, tokens=args.tokens, progress=not args.no_progress))
     print("bf16 q/k/v, causal, striped; ||grad - float64 reference|| / ||reference|| over the sequence")
     print(f"{'N':>3}  {'dK/dV travel as':<16}{'dq':>10}{'dk':>10}{'dv':>10}")
     for r in recs:

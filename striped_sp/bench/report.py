@@ -6,7 +6,17 @@ import json
 import math
 from typing import Sequence
 
-__all__ = ["format_table", "write_json", "plot_speedup", "plot_balance", "plot_masked_sim"]
+__all__ = ["format_table", "write_json", "check_plotting", "plot_speedup", "plot_balance", "plot_masked_sim"]
+
+
+def check_plotting() -> None:
+    """``ImportError`` naming the extra to install when matplotlib is missing; the CLI calls it for
+    ``--plot`` before any work starts."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise ImportError("--plot needs matplotlib: pip install 'striped_sp[bench]' "
+                          f"(or matplotlib itself), or leave out --plot ({err})") from None
 
 
 def _cell(v) -> str:

@@ -115,6 +115,41 @@ class _Inputs:
             seq_slice(self.dv, rows, self.fmt).add_(dv)
 
 
+class Bar:
+    """A manual progress bar on stderr (tqdm, the bench extra) for the timed calls of one point;
+    does nothing when off or without tqdm.  Ticks happen between timed calls (never inside one),
+    except in :meth:`counted`, whose tick costs microseconds against the reference's long calls."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.bar = progress(None, total=total, desc=desc, enabled=enabled) if enabled and total else None
+
+    def tick(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def counted(self, fn):
+        """``fn`` that ticks once per call."""
+        def run():
+            out = fn()
+            self.tick()
+            return out
+        return run
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def timed_calls(cfg: SimConfig, plans: dict) -> int:
+    """How many (forward, backward) pairs :func:`_time_plans` runs: the bar's share of them."""
+    return (cfg.reps + 1) * sum(1 for calls, _ in plans.values() if calls)
+
+
+def reference_calls(cfg: SimConfig) -> int:
+    """The most kernel calls :func:`_reference` makes (``time_call``: warm-up and ``reps`` per pass)."""
+    return 2 * (cfg.reps + 1) if cfg.reference else 0
+
+
 def _plan_key(calls, n):
     return tuple((c.q.indices(n), c.kv.indices(n), c.causal, c.strict) for c in calls)
 
@@ -148,9 +183,10 @@ def _rank_step_keys(cfg: SimConfig, layout: str, world_size: int, n: int):
     return keys, plans
 
 
-def _time_plans(cfg: SimConfig, plans: dict, inputs: "_Inputs", clock) -> dict:
+def _time_plans(cfg: SimConfig, plans: dict, inputs: "_Inputs", clock, bar: Bar | None = None) -> dict:
     """Median (forward, backward) seconds per plan, timed round-robin over all plans (so that a
-    change of machine load hits every plan alike), after one warm-up round."""
+    change of machine load hits every plan alike), after one warm-up round.  ``bar`` ticks once per
+    plan and round, between the timed calls."""
     dev = cfg.device
     samples = {key: ([], []) for key in plans}
     for rnd in range(cfg.reps + 1):
@@ -159,6 +195,8 @@ def _time_plans(cfg: SimConfig, plans: dict, inputs: "_Inputs", clock) -> dict:
                 continue
             fwd = time_once(lambda: inputs.forward_step(calls, first), dev, clock)
             bwd = time_once(lambda: inputs.backward_step(calls), dev, clock)
+            if bar is not None:
+                bar.tick()
             if rnd > 0:
                 samples[key][0].append(fwd)
                 samples[key][1].append(bwd)
@@ -178,15 +216,16 @@ def _critical_path(cfg: SimConfig, keys, times: dict, n: int) -> dict:
     return crit
 
 
-def _reference(cfg: SimConfig, seq_len: int, gen: torch.Generator, clock) -> dict:
+def _reference(cfg: SimConfig, seq_len: int, gen: torch.Generator, clock, bar: Bar | None = None) -> dict:
     """Single-device full causal attention over ``seq_len`` tokens: seconds per pass."""
     inp = _Inputs(cfg, seq_len, gen)
     from ..layouts import BlockCall
 
+    bar = bar or Bar(0, "", False)
     full = [BlockCall(slice(None), slice(None), True)]
-    fwd = time_call(lambda: inp.kernel.forward_native(inp.q, inp.k, inp.v, True, inp.scale), cfg.device, cfg.reps,
-                    clock=clock)
-    bwd = time_call(lambda: inp.backward_step(full), cfg.device, cfg.reps, clock=clock)
+    fwd = time_call(bar.counted(lambda: inp.kernel.forward_native(inp.q, inp.k, inp.v, True, inp.scale)),
+                    cfg.device, cfg.reps, clock=clock)
+    bwd = time_call(bar.counted(lambda: inp.backward_step(full)), cfg.device, cfg.reps, clock=clock)
     del inp
     return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
 
@@ -218,12 +257,16 @@ def simulate(cfg: SimConfig) -> list[dict]:
         for lay in cfg.layouts:
             per_layout[lay], p = _rank_step_keys(cfg, lay, n_ranks, n)
             plans.update(p)  # identical plans (e.g. every layout's diagonal block) are timed once
-        times = _time_plans(cfg, plans, inputs, clock)
+        ref = cfg.reference and seq not in refs
+        bar = Bar(timed_calls(cfg, plans) + (reference_calls(cfg) if ref else 0),
+                  f"N={n_ranks} S={seq} blocks" + (" + one-device reference" if ref else ""), cfg.progress)
+        times = _time_plans(cfg, plans, inputs, clock, bar)
         for lay in cfg.layouts:
             crits[(n_ranks, seq, lay)] = _critical_path(cfg, per_layout[lay], times, n)
         del inputs  # free the block inputs before the big single-device run
-        if cfg.reference and seq not in refs:
-            refs[seq] = _reference(cfg, seq, gen, clock)
+        if ref:
+            refs[seq] = _reference(cfg, seq, gen, clock, bar)
+        bar.close()
     records = []
     for n_ranks, seq in points:
         for p in PASSES:

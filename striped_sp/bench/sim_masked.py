@@ -19,7 +19,7 @@ from ..layouts import get_layout
 from ..masks import block_plan, make_mask
 from .common import clock_for, progress, time_call
 from .docs import workload
-from .sim import PASSES, SimConfig, _critical_path, _time_plans
+from .sim import PASSES, Bar, SimConfig, _critical_path, _time_plans, reference_calls, timed_calls
 
 __all__ = ["simulate_masked"]
 
@@ -59,15 +59,15 @@ class _MaskedInputs:
         self.dv += dv
 
 
-def _reference(cfg: SimConfig, work, gen, clock) -> dict:
+def _reference(cfg: SimConfig, work, gen, clock, bar: Bar) -> dict:
     """One device, the whole row: one varlen call per pass."""
     seq = work.mask.seq_len
     mask = make_mask(seq, 1, get_layout("contiguous"), list(work.mask.bounds),
                      None if work.mask.left < 0 else (work.mask.left, 0), True)
     calls = block_plan(get_layout("contiguous"), mask, 1, 0, 0)
     inp = _MaskedInputs(cfg, seq, gen)
-    fwd = time_call(lambda: inp.forward_step(calls, True), cfg.device, cfg.reps, clock=clock)
-    bwd = time_call(lambda: inp.backward_step(calls), cfg.device, cfg.reps, clock=clock)
+    fwd = time_call(bar.counted(lambda: inp.forward_step(calls, True)), cfg.device, cfg.reps, clock=clock)
+    bwd = time_call(bar.counted(lambda: inp.backward_step(calls)), cfg.device, cfg.reps, clock=clock)
     return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
 
 
@@ -96,11 +96,16 @@ def simulate_masked(cfg: SimConfig, tokens_per_rank: list[int], docs: str | None
                     row.append(key)
                 keys.append(row)
             inputs = _MaskedInputs(cfg, work.local_len, gen)
-            times = _time_plans(cfg, plans, inputs, clock)
+            with_ref = cfg.reference and ref is None and lay != "zigzag"
+            bar = Bar(timed_calls(cfg, plans) + (reference_calls(cfg) if with_ref else 0),
+                      f"{lay} N={n_ranks} tokens/rank={tpr}" + (" + one-device reference" if with_ref else ""),
+                      cfg.progress)
+            times = _time_plans(cfg, plans, inputs, clock, bar)
             del inputs
             results[(n_ranks, tpr, lay)] = (_critical_path(cfg, keys, times, work.local_len), work)
-            if cfg.reference and ref is None and lay != "zigzag":
-                ref = _reference(cfg, work, gen, clock)
+            if with_ref:
+                ref = _reference(cfg, work, gen, clock, bar)
+            bar.close()
         results[(n_ranks, tpr, "_ref")] = ref
     records = []
     for n_ranks, tpr in points:

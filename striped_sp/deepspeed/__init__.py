@@ -6,8 +6,12 @@ engine, optimizer, loader, scheduler = ssd.initialize(model=model, optimizer=opt
                                                       training_data=dataset, config="ds_config.json")
 ```
 
-deepspeed and transformers are imported lazily, inside the functions that need them.
+deepspeed and transformers are imported lazily, inside the functions that need them, so the
+module imports without them (the Hugging Face path needs transformers only); a function that needs
+DeepSpeed raises an ``ImportError`` naming the ``deepspeed`` extra when it is missing.
 """
+
+import functools as _functools
 
 from .accelerate import enable_accelerate
 from .config import ALGOS, ContextParallelSettings, load_config, parse_config
@@ -18,6 +22,30 @@ from .groups import SequenceParallelGroups, sequence_parallel_groups
 from .hf import ATTN_IMPLEMENTATION, enable_hf_attention, hf_attention_forward, hf_window, register_hf_attention
 from .initialize import adapt_model, global_loss_hook, initialize
 from .zero import fix_zero3_sequence_parallel_grads
+
+
+def _needs_deepspeed(fn):
+    """``fn``, with DeepSpeed's absence (its lazy ``import deepspeed`` failing) reported as an
+    ``ImportError`` that names the function and the extra to install."""
+
+    @_functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ModuleNotFoundError as err:
+            if err.name != "deepspeed":  # a module inside deepspeed, or another package: not ours to name
+                raise
+            raise ImportError(f"striped_sp.deepspeed.{fn.__name__} needs DeepSpeed, which is not installed: "
+                              "pip install 'striped_sp[deepspeed]'") from err
+
+    return call
+
+
+initialize = _needs_deepspeed(initialize)
+skip_cpu_shm_comm_build = _needs_deepspeed(skip_cpu_shm_comm_build)
+sequence_parallel_groups = _needs_deepspeed(sequence_parallel_groups)
+enable_accelerate = _needs_deepspeed(enable_accelerate)
+fix_zero3_sequence_parallel_grads = _needs_deepspeed(fix_zero3_sequence_parallel_grads)
 
 __all__ = [
     "initialize",
