@@ -180,6 +180,15 @@ def test_padding_free_collator_batch_is_sharded():
         assert int(local["num_items_in_batch"]) == sum(len(d) - 1 for d in docs)
 
 
+def test_import_error_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # as if trl were not installed
+    monkeypatch.delitem(sys.modules, "striped_sp.deepspeed.trl", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'striped_sp\[deepspeed,trl\]'"):
+        import striped_sp.deepspeed.trl  # noqa: F401
+
+
 def test_router_loss_refused():
     """A MoE load-balancing loss under SP is refused, naming router_aux_loss_coef (0 turns it off)."""
     from types import SimpleNamespace

@@ -55,7 +55,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("ContextParallelSFTTrainer needs trl: pip install 'striped_sp[deepspeed,trl]'") from err
 
 from .groups import sequence_parallel_groups
-from .trainer import ContextParallelTrainer
+from .trainer import ContextParallelTrainer, check_training_arguments
 
 __all__ = ["ContextParallelSFTTrainer"]
 
@@ -85,11 +85,9 @@ class ContextParallelSFTTrainer(ContextParallelTrainer, SFTTrainer):
     ``args.deepspeed`` has ``sequence_parallel_size > 1`` (see the module notes)."""
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
-        if args is not None and not isinstance(model, str):
-            from .trainer import check_training_arguments
-
-            if check_training_arguments(args, kwargs.get("compute_loss_func")).enabled:
-                _check_router_loss(model, args)
+        if (args is not None and not isinstance(model, str)
+                and check_training_arguments(args, kwargs.get("compute_loss_func")).enabled):
+            _check_router_loss(model, args)
         super().__init__(model, args, *rest, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -102,7 +100,7 @@ class ContextParallelSFTTrainer(ContextParallelTrainer, SFTTrainer):
         out = SFTTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=count)
         loss = out[0] if return_outputs else out
         if count is not None:
-            # SFTTrainer multiplied by all processes (DeepSpeed averages); it sums over SP, averages over DP
+            # SFTTrainer multiplied by all processes, for DDP's mean; DeepSpeed sums over SP, averages over DP
             loss = loss / (sp if step_count else self.accelerator.num_processes)
             loss = _sum_value_over(loss, sequence_parallel_groups(sp).group)
         return (loss, out[1]) if return_outputs else loss
