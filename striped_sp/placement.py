@@ -28,7 +28,11 @@ import numbers
 
 import torch
 
-__all__ = ["CostModel", "COST_MODELS", "check_placement", "placed_runs", "choose_whole_max", "predicted_ms"]
+__all__ = ["CostModel", "COST_MODELS", "BALANCE_SLACK", "check_placement", "placed_runs", "choose_whole_max",
+           "predict"]
+
+#: ``"auto"`` keeps documents whole only where the critical path stays within 1% of ideal (entries)
+BALANCE_SLACK = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,25 +101,35 @@ def _striped_runs(bounds, striped: list[int], world_size: int, stripe: int) -> l
     return per_rank
 
 
-def _assign_whole(bounds, whole: list[int], capacity: list[int], model: CostModel):
-    """Greedy: largest cost first, each to the rank with the least work that has room; a document
-    that fits nowhere whole is cut into contiguous pieces over the ranks with the most room.
-    Returns per rank ``[(first_position, count)]`` (cut pieces first) and the predicted work."""
+def _entries(length: int) -> int:
+    return length * (length + 1) // 2
+
+
+def _assign_whole(bounds, whole: list[int], capacity: list[int], cut_max: int):
+    """Greedy: most score entries first, each to the rank with the fewest entries that has room.
+    A document that fits nowhere whole is cut into contiguous pieces over the ranks with the most
+    room if it has at most ``cut_max`` tokens (its cross-rank blocks stay small); longer ones are
+    returned as ``unfit``.  Returns per rank ``[(first_position, count)]`` (cut pieces first), the
+    entries per rank and the unfit documents."""
     n = len(capacity)
     room = list(capacity)
-    work = [0.0] * n
+    work = [0] * n
     cut = [[] for _ in range(n)]
     kept = [[] for _ in range(n)]
-    cost = {d: model.call(bounds[d + 1] - bounds[d], bounds[d + 1] - bounds[d], True) for d in whole}
-    for d in sorted(whole, key=lambda d: (-cost[d], d)):
+    unfit, small = [], []
+    for d in sorted(whole, key=lambda d: (-(bounds[d + 1] - bounds[d]), d)):
         length = bounds[d + 1] - bounds[d]
         fits = [r for r in range(n) if room[r] >= length]
         if fits:
             r = min(fits, key=lambda r: (work[r], r))
             kept[r].append((bounds[d], length))
             room[r] -= length
-            work[r] += cost[d]
-            continue
+            work[r] += _entries(length)
+        elif length <= cut_max:
+            small.append(d)
+        else:
+            unfit.append(d)
+    for d in small:
         pos = bounds[d]
         for r in sorted(range(n), key=lambda r: (-room[r], r)):
             take = min(room[r], bounds[d + 1] - pos)
@@ -123,32 +137,48 @@ def _assign_whole(bounds, whole: list[int], capacity: list[int], model: CostMode
                 continue
             cut[r].append((pos, take))
             room[r] -= take
-            work[r] += cost[d] * take / length
+            work[r] += _entries(take)
             pos += take
             if pos == bounds[d + 1]:
                 break
-    return [c + sorted(k) for c, k in zip(cut, kept)], work
+    return [c + sorted(k) for c, k in zip(cut, kept)], work, unfit
 
 
-def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int, model: CostModel):
-    """``(runs per rank, predicted step-0 work per rank, predicted work of every other step)``."""
+def _striped_capacity(bounds, striped, world_size, stripe, local):
+    runs = _striped_runs(bounds, striped, world_size, stripe)
+    return runs, [local - sum(c for _, c, _ in r) for r in runs]
+
+
+def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int):
+    """``(run tables per rank, whole documents, striped documents, whole entries per rank)``.
+
+    Documents of at most ``whole_max`` tokens start out whole; the striped ones fix each rank's
+    room.  While a whole candidate is too long to fit (or to cut harmlessly: a cut document's
+    cross-rank block lands on one rank at one step), the longest such one is striped instead and
+    the rest placed again; after ``2N`` tries the leftovers are cut."""
     seq_len = bounds[-1]
     local = seq_len // world_size
     lengths = _lengths(bounds)
+    cut_max = max(64, local // 64)
     whole = [d for d, n in enumerate(lengths) if n <= min(whole_max, local)]
-    whole_set = set(whole)
-    striped = [d for d in range(len(lengths)) if d not in whole_set]
-    striped_runs = _striped_runs(bounds, striped, world_size, stripe)
-    counts = [sum(c for _, c, _ in runs) for runs in striped_runs]
-    capacity = [local - c for c in counts]
-    if min(capacity) < 0 or (not whole and max(capacity) > 0):
-        raise ValueError(
-            f"stripe_size={stripe}: the striped documents ({sum(counts)} tokens) do not fall evenly on "
-            f"{world_size} ranks of {local} tokens (per rank {counts}); use a stripe size that divides "
-            f"the row by world_size * stripe_size, or doc_placement='auto' to fill the ranks with whole documents")
-    placed, work = _assign_whole(bounds, whole, capacity, model)
-    # the striped documents' work: every rank, every step, one piece of each (a model, not the plan)
-    per_step = sum(model.call(lengths[d] / world_size, lengths[d] / world_size, True) for d in striped)
+    for attempt in range(2 * world_size + 1):
+        if attempt == 2 * world_size:
+            cut_max = local  # give up moving documents: cut what is left
+        whole_set = set(whole)
+        striped = [d for d in range(len(lengths)) if d not in whole_set]
+        striped_runs, capacity = _striped_capacity(bounds, striped, world_size, stripe, local)
+        if min(capacity) < 0 or (not whole and max(capacity) > 0):
+            raise ValueError(
+                f"stripe_size={stripe}: the striped documents ({seq_len - sum(capacity)} tokens) do not fall "
+                f"evenly on {world_size} ranks of {local} tokens (room left per rank {capacity}); use a stripe "
+                "size that divides the row by world_size * stripe_size, or doc_placement='auto' to fill the "
+                "ranks with whole documents")
+        placed, entries, unfit = _assign_whole(bounds, whole, capacity, cut_max)
+        if not unfit:
+            break
+        # the longest one is striped instead; the rooms shrink evenly and the rest is placed again
+        drop = max(unfit, key=lambda d: (lengths[d], d))
+        whole = [d for d in whole if d != drop]
     tables = []
     for r in range(world_size):
         rows = [(p, c, s) for p, c, s in striped_runs[r]] + [(p, c, 1) for p, c in placed[r]]
@@ -156,21 +186,45 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int, model: C
         local_start = torch.cumsum(counts_r, 0) - counts_r
         table = torch.tensor([[ls, p, c, s] for ls, (p, c, s) in zip(local_start.tolist(), rows)], dtype=torch.int64)
         tables.append(table.view(-1, 4))
-    return tables, work, per_step
+    return tables, whole, striped, entries
 
 
-def predicted_ms(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str = "cpu",
-                 heads: int = 1) -> float:
-    """The cost model's forward critical path (ms, ``heads`` heads) of a placement: the slowest
-    rank's first step (its whole documents and striped pieces) plus ``N - 1`` striped steps."""
+def _piece(length: int, world_size: int, stripe: int) -> float:
+    """Rows of the pieces a striped document of ``length`` tokens is cut into on one rank."""
+    return length / world_size if stripe == 1 else min(stripe, length)
+
+
+def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str = "cpu") -> dict:
+    """The model's view of a placement: ``balance`` (critical path over ideal in score entries:
+    the slowest rank's whole documents plus an even share of the striped ones, over an even share
+    of all) and ``ms``, its forward critical path per head in milliseconds (whole documents cost one
+    causal call each on their rank; a striped document one piece per rank and ring step)."""
     model = COST_MODELS[model] if isinstance(model, str) else model
-    _, work, per_step = _place(tuple(bounds), world_size, stripe, whole_max, model)
-    return (max(work) + world_size * per_step) * heads / 1e6
+    bounds = tuple(bounds)
+    _, whole, striped, entries = _place(bounds, world_size, stripe, whole_max)
+    lengths = _lengths(bounds)
+    ideal = sum(_entries(n) for n in lengths) / world_size
+    striped_share = sum(_entries(lengths[d]) for d in striped) / world_size
+    balance = (max(entries) + striped_share) / ideal
+    whole_ns = [0.0] * world_size
+    by_rank = {}
+    for r, t in enumerate(_place(bounds, world_size, stripe, whole_max)[0]):
+        for _, _, count, step in t.tolist():
+            if step == 1:
+                by_rank.setdefault(r, []).append(count)
+    for r, counts in by_rank.items():
+        whole_ns[r] = sum(model.call(c, c, True) for c in counts)
+    per_step = 0.0
+    for d in striped:
+        m = _piece(lengths[d], world_size, stripe)
+        per_step += model.call(m, m, True) * (lengths[d] / world_size / m) ** 2
+    return {"balance": balance, "ms": (max(whole_ns) + world_size * per_step) / 1e6}
 
 
 def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel | str = "cpu") -> int:
     """``doc_placement="auto"``: the longest-whole-document length (among powers of two up to the
-    tokens per rank, and 0) with the smallest :func:`predicted_ms`; infeasible candidates skipped."""
+    tokens per rank, and 0) with the smallest predicted time (:func:`predict`) among those that stay
+    balanced (within :data:`BALANCE_SLACK` of ideal in score entries); infeasible ones skipped."""
     bounds = tuple(bounds)
     local = bounds[-1] // world_size
     candidates, c = [0], 16
@@ -181,8 +235,11 @@ def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel 
     best = None
     for cand in candidates:
         try:
-            t = predicted_ms(bounds, world_size, stripe, cand, model)
+            pred = predict(bounds, world_size, stripe, cand, model)
         except ValueError:
+            continue
+        t = pred["ms"]
+        if cand and pred["balance"] > 1 + BALANCE_SLACK:
             continue
         if best is None or t < best[0]:
             best = (t, cand)
@@ -202,4 +259,4 @@ def placed_runs(bounds: tuple, world_size: int, stripe: int, doc_placement) -> l
         whole_max = choose_whole_max(bounds, world_size, stripe)
     else:
         whole_max = doc_placement
-    return _place(bounds, world_size, stripe, whole_max, COST_MODELS["cpu"])[0]
+    return _place(bounds, world_size, stripe, whole_max)[0]
