@@ -64,7 +64,8 @@ def pad_documents(cu_seqlens, world_size: int, layout: str = "zigzag") -> Padded
     every real token: exact for causal attention (``right = 0``), where no real query sees a later
     position; with ``causal=False`` or a right window real queries would see the padding, so
     zigzag padding is for causal attention only.  ``striped`` / ``contiguous``: documents stay
-    as they are; when the row length does not divide by ``world_size``, the missing tokens are
+    as they are; when the row length does not divide by ``world_size`` (times the stripe size of a
+    striped layout without document placement), the missing tokens are
     appended as one extra padding document (it attends only to itself), exact in every case."""
     lay = get_layout(layout)
     if not isinstance(world_size, int) or world_size < 1:
@@ -82,11 +83,11 @@ def pad_documents(cu_seqlens, world_size: int, layout: str = "zigzag") -> Padded
         index = starts[doc] + offset
         new_bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(padded, 0)])
     else:
-        tail = -seq_len % world_size
+        tail = -seq_len % (world_size * lay.seq_multiple)  # striped stripes: whole stripes per rank
         index = torch.arange(seq_len)
         new_bounds = torch.tensor(bounds + ((seq_len + tail,) if tail else ()), dtype=torch.int64)
     total = int(new_bounds[-1])
-    return PaddedDocuments(new_bounds, index, total - seq_len, total, world_size, lay.name)
+    return PaddedDocuments(new_bounds, index, total - seq_len, total, world_size, lay.key)
 
 
 def document_positions(seq_len: int, world_size: int, rank: int, layout: str = "striped",

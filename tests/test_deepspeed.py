@@ -69,6 +69,33 @@ def test_config_errors(config, world_size, words):
         assert w in str(err.value)
 
 
+def test_config_striped_parameters_make_one_layout_key():
+    cp = {"algo": "striped", "stripe_size": 4, "doc_placement": "auto"}
+    s = parse_config({"sequence_parallel_size": 2, "context_parallel": cp}, world_size=2)
+    assert (s.stripe_size, s.doc_placement, s.layout) == (4, "auto", "striped:stripe=4,place=auto")
+    assert parse_config({"context_parallel": {"doc_placement": 64}}).layout == "striped:place=64"
+    assert parse_config({"context_parallel": {"stripe_size": 1, "doc_placement": "split"}}).layout == "striped"
+    assert parse_config({"context_parallel": {"algo": "zigzag", "stripe_size": 1}}).layout == "zigzag"
+
+
+@pytest.mark.parametrize("section,words", [
+    ({"stripe_size": 0}, ["context_parallel.stripe_size=0", "greater than or equal to 1"]),
+    ({"stripe_size": "4"}, ["context_parallel.stripe_size='4'", "integer"]),
+    ({"stripe_size": 2.5}, ["context_parallel.stripe_size=2.5"]),
+    ({"doc_placement": "whole"}, ["context_parallel.doc_placement='whole'", "'split', 'auto' or a positive integer"]),
+    ({"doc_placement": 0}, ["context_parallel.doc_placement=0", "positive integer"]),
+    ({"doc_placement": "64"}, ["context_parallel.doc_placement='64'"]),
+    ({"doc_placement": True}, ["context_parallel.doc_placement=True"]),
+    ({"algo": "zigzag", "stripe_size": 2}, ["context_parallel.stripe_size=2", "algo='striped' only, not 'zigzag'"]),
+    ({"algo": "ring", "doc_placement": "auto"}, ["context_parallel.doc_placement='auto'", "not 'ring'"]),
+])
+def test_config_striped_parameter_errors(section, words):
+    with pytest.raises(ValueError) as err:
+        parse_config({"context_parallel": section})
+    for w in words:
+        assert w in str(err.value)
+
+
 # ---------------------------------------------------------------------------- data adapter
 
 

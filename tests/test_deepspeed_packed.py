@@ -171,7 +171,8 @@ def _case_hf(kind, data, layout, sp_labels="same"):
 
 
 def _case_engine_packed(algo):
-    """A DeepSpeed engine step (SGD) through initialize's loader with DataCollatorWithFlattening."""
+    """A DeepSpeed engine step (SGD) through initialize's loader with DataCollatorWithFlattening.
+    ``algo``: the config's algo, or a whole ``context_parallel`` section (a dict)."""
     from transformers import DataCollatorWithFlattening
 
     from striped_sp.deepspeed import initialize
@@ -181,7 +182,8 @@ def _case_engine_packed(algo):
     model = _model("mistral", seed=1, dtype=torch.float32)
     cfg = {"train_micro_batch_size_per_gpu": len(data), "gradient_accumulation_steps": 1,
            "steps_per_print": 10**6, "zero_optimization": {"stage": 0},
-           "gradient_clipping": 0.0, "sequence_parallel_size": WORLD, "context_parallel": {"algo": algo}}
+           "gradient_clipping": 0.0, "sequence_parallel_size": WORLD,
+           "context_parallel": dict(algo) if isinstance(algo, dict) else {"algo": algo}}
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     engine, _, loader, _ = initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
                                       config=cfg, training_data=data, collate_fn=collator)

@@ -1,8 +1,15 @@
 """The ``context_parallel`` section of a DeepSpeed JSON config, and ``sequence_parallel_size``.
 
 ```json
-{"sequence_parallel_size": 2, "context_parallel": {"algo": "striped", "backend": "auto", "timeout_s": 600}}
+{"sequence_parallel_size": 2, "context_parallel": {"algo": "striped", "backend": "auto", "timeout_s": 600,
+                                                    "stripe_size": 1, "doc_placement": "split"}}
 ```
+
+``stripe_size`` (int >= 1) and ``doc_placement`` (``"split"``, ``"auto"`` or the longest document, an
+int >= 1, kept whole on one rank) are the striped layout's parameters
+(:class:`striped_sp.layouts.Striped`), for ``algo="striped"`` only; ``layout`` is then one key such
+as ``"striped:stripe=4,place=auto"`` that the data loader, the HF attention and
+``DistributedAttention`` all take.
 
 ``sequence_parallel_size`` is DeepSpeed's own key (default 1); the ``context_parallel`` section is
 ours.  The section is validated with DeepSpeed's pydantic config-model machinery
@@ -19,6 +26,8 @@ import os
 from typing import Any, Mapping
 
 from ..kernels import BACKENDS
+from ..layouts import get_layout
+from ..placement import check_placement
 
 __all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config"]
 
@@ -40,10 +49,19 @@ class ContextParallelSettings:
     #: the ring timeout in seconds (:func:`striped_sp.ring.set_ring_timeout`, applied when the model is
     #: adapted); ``None``: ``$STRIPED_SP_RING_TIMEOUT_S`` or 600
     timeout_s: float | None = None
+    #: striped only: tokens dealt to ranks in stripes of this many (1: token by token)
+    stripe_size: int = 1
+    #: striped only, packed rows: ``"split"`` (every document striped), ``"auto"`` or an int (documents
+    #: of at most that many tokens kept whole on one rank, dealt by a balancing solver)
+    doc_placement: str | int = "split"
 
     @property
     def layout(self) -> str:
-        return ALGOS[self.algo]
+        """The core layout key: ``"striped"``, ``"zigzag"``, ``"contiguous"``, or with the striped
+        parameters e.g. ``"striped:stripe=4,place=auto"``."""
+        if self.stripe_size == 1 and self.doc_placement == "split":
+            return ALGOS[self.algo]
+        return get_layout(ALGOS[self.algo], self.stripe_size, self.doc_placement).key
 
     @property
     def enabled(self) -> bool:
@@ -68,7 +86,7 @@ def _model_class():
     """The pydantic model of the section, built on first use (deepspeed is imported lazily)."""
     global _MODEL_CLASS
     if _MODEL_CLASS is None:
-        from typing import Literal, Optional
+        from typing import Literal, Optional, Union
 
         pydantic = _pydantic()
         try:
@@ -85,6 +103,10 @@ def _model_class():
             backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
             ulysses_size: pydantic.StrictInt = pydantic.Field(default=1, ge=1)
             timeout_s: Optional[float] = pydantic.Field(default=None, gt=0, allow_inf_nan=False)
+            stripe_size: pydantic.StrictInt = pydantic.Field(default=1, ge=1)
+            #: listed for the allowed keys; checked by _doc_placement (DeepSpeed's models read "auto" as
+            #: "the default", and "auto" is a placement of its own here)
+            doc_placement: Union[str, int] = "split"
 
         _MODEL_CLASS = ContextParallelConfig
     return _MODEL_CLASS
@@ -159,13 +181,34 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
     bad_keys = [k for k in section if not isinstance(k, str)]
     if bad_keys:
         raise ValueError(f"{SECTION}: keys must be strings, got {bad_keys!r}")
+    placement = _doc_placement(section)
     try:
-        model = _model_class()(**section)
+        model = _model_class()(**{k: v for k, v in section.items() if k != "doc_placement"})
     except pydantic.ValidationError as err:
         raise ValueError(_describe(err)) from None
     u = int(model.ulysses_size)
     if sp % u:
         raise ValueError(f"{SECTION}.ulysses_size={u} must divide sequence_parallel_size={sp} "
                          "(Ulysses groups of ulysses_size ranks, a ring across them)")
+    _check_striped_keys(model.algo, model.stripe_size, placement)
     return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
-                                   ulysses_size=u, timeout_s=model.timeout_s)
+                                   ulysses_size=u, timeout_s=model.timeout_s, stripe_size=model.stripe_size,
+                                   doc_placement=placement)
+
+
+def _doc_placement(section: Mapping):
+    """``doc_placement``: ``"split"``, ``"auto"`` or an int >= 1 (a JSON number, not a string)."""
+    value = section.get("doc_placement", "split")
+    try:
+        return check_placement(value)
+    except ValueError:
+        raise ValueError(f"{SECTION}.doc_placement={value!r} must be 'split', 'auto' or a positive integer "
+                         "(the longest document kept whole on one rank)") from None
+
+
+def _check_striped_keys(algo: str, stripe_size: int, placement) -> None:
+    """``stripe_size`` / ``doc_placement`` are parameters of the striped layout: refused with another algo."""
+    for key, value, default in (("stripe_size", stripe_size, 1), ("doc_placement", placement, "split")):
+        if value != default and algo != "striped":
+            raise ValueError(f"{SECTION}.{key}={value!r} applies to {SECTION}.algo='striped' only, not "
+                             f"{algo!r}: drop it or use algo 'striped'")
