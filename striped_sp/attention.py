@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .agreement import agree, check_ranks_enabled
-from .kernels import Kernel, resolve_kernel
+from .kernels import Kernel, accumulator_dtype, resolve_kernel
 from .kernels_torch import gqa_probe_enabled
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
@@ -90,7 +90,8 @@ class _RingAttention(torch.autograd.Function):
         plans, masked, scale, kernel = ctx.plans, ctx.masked, ctx.scale, ctx.kernel
         ring = Ring(ctx.group, ctx.timeout)
         n = ring.world_size
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = accumulator_dtype(q.dtype)  # float32; float64 for float64 inputs
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         k_cur, v_cur = k, v
         dkv_transfer = None
         for step in range(n):
@@ -99,11 +100,11 @@ class _RingAttention(torch.autograd.Function):
             # this block's fp32 dK/dV accumulators: fresh for our own block, else the ones arriving
             # with it (accumulated in fp32 whatever the travel dtype)
             if dkv_transfer is None:
-                dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
             else:
                 with _settle_on_error(kv_transfer):
-                    dk_acc, dv_acc = (t.float() for t in dkv_transfer.wait())
+                    dk_acc, dv_acc = (t.to(acc) for t in dkv_transfer.wait())
                 dkv_transfer = None  # its requests hold what we sent the step before
             with _settle_on_error(kv_transfer):
                 if masked:  # varlen calls add into dq, dk_acc, dv_acc in place
@@ -162,18 +163,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     layout.check_local_len(q.size(1))
 
 
-def _refuse_float64(q: torch.Tensor) -> None:
-    """float64 is refused by name: the ring merges blocks in float32 accumulators (out, lse, dQ,
-    dK/dV) and the fused kernels return float32 lse, so float64 inputs would silently get float32
-    accuracy.  Exact float64 would need the accumulator dtype threaded through step.py, varlen.py
-    and every kernel's lse."""
-    if q.dtype == torch.float64:
-        raise ValueError(
-            "q, k, v have dtype torch.float64, which ring_attention does not compute exactly: it merges the "
-            "blocks in float32 accumulators, so float64 inputs would silently get float32 accuracy; pass "
-            "float32, bfloat16 or float16 (or compute a float64 reference without the ring)")
-
-
 def _check_consistent_across_ranks(q, k, v, layout: Layout, causal: bool, scale: float, group,
                                    mask: MaskSpec | None, ulysses: int, kernel: Kernel, grad_comm_dtype,
                                    deterministic: bool, timeout) -> None:
@@ -214,8 +203,8 @@ def ring_attention(
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
     Args:
-        q: ``[batch, s_local, heads, head_dim]``, this rank's queries (float16/bfloat16/float32; float64 is
-            refused: the ring accumulates in float32).
+        q: ``[batch, s_local, heads, head_dim]``, this rank's queries (float16/bfloat16/float32, or
+            float64: then computed in float64 throughout, for references; the math or CPU kernels).
         k, v: ``[batch, s_local, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads``.  v may
             have its own head dim ``v_head_dim`` (multi-latent attention); a kernel that needs one
             head dim (:attr:`~striped_sp.kernels.Kernel.native_value_head_dim` false: PyTorch's
@@ -286,16 +275,16 @@ def ring_attention(
     try:
         lay = get_layout(layout, stripe_size, doc_placement)
         _check_inputs(q, k, v, lay)
-        _refuse_float64(q)
         call_dim = max(q.size(-1), v.size(-1))  # the kernels' head dim once padded (MLA)
         kernel = resolve_kernel(backend, q.device, q.dtype, call_dim, deterministic=bool(deterministic))
         gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
         strict_block = strict_block_mode(
             kernel, q.device, q.dtype, call_dim, applies=lay.name == "striped" and lay.dense_plans and bool(causal)
             and cu_seqlens is None and window_size is None and ulysses_size == 1 and ulysses_groups is None)
-        comm = torch.float32 if grad_comm_dtype is None else grad_comm_dtype
-        if comm not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"grad_comm_dtype={grad_comm_dtype} must be torch.float32, torch.bfloat16 or torch.float16")
+        comm = accumulator_dtype(q.dtype) if grad_comm_dtype is None else grad_comm_dtype
+        if comm not in (torch.float32, torch.bfloat16, torch.float16, accumulator_dtype(q.dtype)):
+            raise ValueError(f"grad_comm_dtype={grad_comm_dtype} must be torch.float32, torch.bfloat16 or torch.float16 "
+                             "(or torch.float64 with float64 inputs)")
         scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
         if not scale > 0:
             raise ValueError(f"softmax_scale={softmax_scale} must be positive")

@@ -4,7 +4,8 @@ Every kernel works on the core format ``[batch, seq, heads, head_dim]``; keys/va
 fewer heads (GQA/MQA: query head ``h`` uses kv head ``h // (heads // kv_heads)``).
 
 ``forward(q, k, v, causal, scale) -> (out, lse)``
-    ``out``: like ``q``, in ``q.dtype``; ``lse``: float32 ``[batch, heads, seq_q]``, contiguous.
+    ``out``: like ``q``, in ``q.dtype``; ``lse``: ``[batch, heads, seq_q]``, contiguous, in
+    :func:`accumulator_dtype` (float32; float64 for float64 inputs).
 ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``
     ``out``/``lse`` are the *final* (merged) attention output and log-sum-exp of these query
     rows, so the block's gradients are its exact share of the full attention's gradients.
@@ -33,10 +34,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Kernel", "KERNELS", "available_backends", "resolve_kernel"]
+__all__ = ["Kernel", "KERNELS", "accumulator_dtype", "available_backends", "resolve_kernel"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of log-sum-exps and of the ring's accumulators (out, dQ, dK/dV) for inputs of
+    ``dtype``: float64 for float64 (computed in float64 end to end), else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _group_sum(dkv_expanded: torch.Tensor, kv_heads: int, dim: int = 2) -> torch.Tensor:
@@ -126,7 +133,7 @@ class MathKernel(Kernel):
 
     @staticmethod
     def _scores(q, k, causal, scale, mask=None):
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulator_dtype(q.dtype)
         kx = _expand_kv(k, q.size(2)).to(acc)
         s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kx) * scale
         if causal:
@@ -146,7 +153,7 @@ class MathKernel(Kernel):
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.size(2)).to(acc))
-        return out.to(q.dtype), lse.float().contiguous()
+        return out.to(q.dtype), lse.contiguous()  # lse in accumulator_dtype
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         s, acc = self._scores(q, k, causal, scale, mask)

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .kernels import _FLOAT_DTYPES, _HALF_DTYPES, Kernel, _expand_kv, _group_sum
+from .kernels import _FLOAT_DTYPES, _HALF_DTYPES, Kernel, _expand_kv, _group_sum, accumulator_dtype
 
 __all__ = ["TorchKernel", "GQA_NATIVE_ENV", "gqa_probe_enabled"]
 
@@ -159,7 +159,7 @@ class TorchKernel(Kernel):
         """``q`` ``[b, h, s, d]``, ``k``/``v`` ``[b, kv_heads, s_k, d]`` (any strides)."""
         if _uses_cpu_op(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-            return out, lse.float().contiguous()
+            return out, lse.to(accumulator_dtype(q.dtype)).contiguous()
         op = self._cuda_op(q)
         return self._cuda_forward(op, q, k, v, causal, scale, expand=not self._gqa_native(op, q, k))
 
@@ -270,7 +270,7 @@ class TorchKernel(Kernel):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
                 attn_mask=_additive_mask(mask, q.dtype), scale=scale,
             )
-            return out.transpose(1, 2), lse.float().contiguous()
+            return out.transpose(1, 2), lse.to(accumulator_dtype(q.dtype)).contiguous()
         h = q.size(2)
         bias = _additive_mask(mask, q.dtype, align=16).expand(q.size(0), h, q.size(1), k.size(1))
         res = torch.ops.aten._scaled_dot_product_efficient_attention(

@@ -10,7 +10,8 @@ Tensor formats (:attr:`striped_sp.kernels.Kernel.tensor_format`):
   ``bshd`` view; docs/benchmarks.md, section 9).
 
 The ring converts q, k, v to the kernel's format once at entry (K/V travel in it) and the output
-and gradients back once at exit; the plans' slices stay views.  Log-sum-exps are always float32
+and gradients back once at exit; the plans' slices stay views.  Log-sum-exps are float32
+(float64 for float64 inputs, :func:`~striped_sp.kernels.accumulator_dtype`)
 ``[batch, heads, seq]``.
 
 The striped strict block (keys strictly before the queries, ``b < a``) has two forms:
@@ -28,6 +29,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from .kernels import accumulator_dtype
 
 __all__ = ["merge_block", "merge_block_safe", "Accumulator", "to_format", "from_format", "seq_slice",
            "forward_step", "backward_step", "head_splits", "strict_block_mode", "STRICT_BLOCK_ENV"]
@@ -66,10 +69,11 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     """Fold one block's result into the running accumulators, in place.
 
     ``out``: float32 in ``fmt``; ``lse``: float32 ``[b, h, s]`` (views of the accumulators for the
-    block's query rows); ``block_out`` in ``fmt``, any float dtype; ``block_lse`` float32
-    ``[b, h, s]``.  Uses the sigmoid form of the softmax merge, which never subtracts two large
+    block's query rows; float64 both for float64 inputs); ``block_out`` in ``fmt``, any float dtype;
+    ``block_lse`` ``[b, h, s]``, taken in ``lse``'s dtype.  Uses the sigmoid form of the softmax merge, which never subtracts two large
     exponents: ``out += sigmoid(lse_b - lse) * (out_b - out)``, ``lse -= logsigmoid(lse - lse_b)``.
     """
+    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
     weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
     out.lerp_(block_out.to(out.dtype), weight)  # one pass, no temporaries
     lse.sub_(F.logsigmoid(lse - block_lse))
@@ -79,6 +83,7 @@ def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
                      fmt: str = "bshd") -> None:
     """:func:`merge_block` for accumulators that may still hold rows with ``lse = -inf`` (no key
     seen yet, under a document or window mask): the new lse is a ``logaddexp``."""
+    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
     weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
     out.lerp_(block_out.to(out.dtype), weight)
     torch.logaddexp(lse, block_lse, out=lse)
@@ -95,8 +100,9 @@ class Accumulator:
         if masked:
             # Under a mask the varlen calls merge rows straight into these (logaddexp merge).
             b, s, h = (q.size(0), q.size(1), q.size(2)) if fmt == "bshd" else (q.size(0), q.size(2), q.size(1))
-            self.out = torch.zeros(self.shape, dtype=torch.float32, device=q.device)
-            self.lse = torch.full((b, h, s), float("-inf"), device=q.device)
+            acc = accumulator_dtype(q.dtype)  # float32; float64 for float64 inputs
+            self.out = torch.zeros(self.shape, dtype=acc, device=q.device)
+            self.lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
 
     def add(self, q_rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
         if self.out is None:
@@ -104,7 +110,7 @@ class Accumulator:
             # over all local queries; starting from it avoids -inf arithmetic.
             if block_out.shape != self.shape:
                 raise RuntimeError("the first ring block must cover every local query")
-            self.out = block_out.float()
+            self.out = block_out.to(accumulator_dtype(block_out.dtype))
             self.lse = block_lse.clone()
             return
         merge_block(seq_slice(self.out, q_rows, self.fmt), self.lse[:, :, q_rows], block_out, block_lse, self.fmt)

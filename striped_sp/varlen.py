@@ -86,8 +86,8 @@ def _strided_backward(kernel, p: Batch, dout, q, k, v, out, lse, mask, scale, dq
             _windows(out, qf, p.cq, p.packs, p.cq), lse_b)
     g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
     dq[:, qf:r1] += g[0].reshape(1, p.packs * p.cq, *g[0].shape[2:])
-    _add_windows(dk, g[1].float(), kf, step, p.ck)
-    _add_windows(dv, g[2].float(), kf, step, p.ck)
+    _add_windows(dk, g[1].to(dk.dtype), kf, step, p.ck)
+    _add_windows(dv, g[2].to(dv.dtype), kf, step, p.ck)
 
 
 def _attend(kernel, q, k, v, mask, scale):
@@ -152,9 +152,9 @@ def varlen_backward(kernel, dout, q, k, v, out, lse, segs: Segments, scale: floa
         g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
         q_real = None if p.q_real is None else p.q_real.to(q.device)
         k_real = None if p.k_real is None else p.k_real.to(q.device)
-        dq.index_add_(1, _real(qi, q_real, 0), _real(_flat(g[0], b, p.packs, p.cq), q_real).float())
-        dk.index_add_(1, _real(ki, k_real, 0), _real(_flat(g[1], b, p.packs, p.ck), k_real).float())
-        dv.index_add_(1, _real(ki, k_real, 0), _real(_flat(g[2], b, p.packs, p.ck), k_real).float())
+        dq.index_add_(1, _real(qi, q_real, 0), _real(_flat(g[0], b, p.packs, p.cq), q_real).to(dq.dtype))
+        dk.index_add_(1, _real(ki, k_real, 0), _real(_flat(g[1], b, p.packs, p.ck), k_real).to(dk.dtype))
+        dv.index_add_(1, _real(ki, k_real, 0), _real(_flat(g[2], b, p.packs, p.ck), k_real).to(dv.dtype))
 
 
 # -- kernels with a native varlen entry point (flash-attn, PyTorch's CUDA flash op) ------------
@@ -196,7 +196,7 @@ def native_varlen_forward(call, q, k, v, segs: Segments, acc_out, acc_lse) -> No
     lse_f = acc_lse.transpose(0, 1).reshape(1, h, b * nq)
     for wl, wr, qr, cu_q, mq, kr, cu_k, mk in _groups(segs, nq, nk, b, q.device):
         o, l = call(qf.index_select(0, qr), kf.index_select(0, kr), vf.index_select(0, kr), cu_q, cu_k, mq, mk, wl, wr)
-        _merge_rows(acc_f, lse_f, qr, o.unsqueeze(0), l[:, : qr.numel()].float().unsqueeze(0))
+        _merge_rows(acc_f, lse_f, qr, o.unsqueeze(0), l[:, : qr.numel()].to(lse_f.dtype).unsqueeze(0))
     res = lse_f.view(h, b, nq).transpose(0, 1)
     if not (b == 1 and res.data_ptr() == acc_lse.data_ptr()):  # b == 1: lse_f is a view of acc_lse
         acc_lse.copy_(res)
@@ -217,6 +217,6 @@ def native_varlen_backward(call, dout, q, k, v, out, lse, segs: Segments, dq, dk
     for wl, wr, qr, cu_q, mq, kr, cu_k, mk in _groups(segs, nq, nk, b, q.device):
         g = call(dof.index_select(0, qr), qf.index_select(0, qr), kf.index_select(0, kr), vf.index_select(0, kr),
                  of.index_select(0, qr), lf.index_select(1, qr).contiguous(), cu_q, cu_k, mq, mk, wl, wr)
-        dqf.index_add_(0, qr, g[0].float())
-        dkf.index_add_(0, kr, g[1].float())
-        dvf.index_add_(0, kr, g[2].float())
+        dqf.index_add_(0, qr, g[0].to(dqf.dtype))
+        dkf.index_add_(0, kr, g[1].to(dkf.dtype))
+        dvf.index_add_(0, kr, g[2].to(dvf.dtype))

@@ -43,9 +43,6 @@ def _bad(kind):
         return (q, k, v), {"backend": "cutlass"}, "unknown backend 'cutlass'"
     if kind == "backend-device":
         return (q, k, v), {"backend": "torch_cudnn"}, "backend 'torch_cudnn' is not available: .*CUDA"
-    if kind == "float64":
-        return tuple(t.double() for t in (q, k, v)), {"backend": "math"}, (
-            "dtype torch.float64, which ring_attention does not compute exactly.*float32 accuracy")
     if kind == "backend-dtype":
         q, k, v = (t.to(torch.int32) for t in (q, k, v))
         return (q, k, v), {"backend": "torch"}, "backend 'torch' is not available: dtype torch.int32"
@@ -80,7 +77,7 @@ def _bad(kind):
 
 
 KINDS = ["zigzag-odd", "heads", "dtype", "device", "batch", "head_dim", "kv-shapes", "seq", "ndim",
-         "layout", "backend", "backend-device", "backend-dtype", "float64", "flash-missing", "scale",
+         "layout", "backend", "backend-device", "backend-dtype", "flash-missing", "scale",
          "cu-2d", "cu-float", "cu-start", "cu-order", "cu-end", "cu-batch", "cu-zigzag",
          "window-left", "window-right", "window-pair"]
 
