@@ -231,7 +231,9 @@ def test_trainer_arguments_that_conflict_with_sp_are_refused():
     for over, match in [
         (dict(average_tokens_across_devices=False), "average_tokens_across_devices=False"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
-        (dict(group_by_length=True), "group_by_length=True"),
+        (dict(group_by_length=True), "train_sampling_strategy='group_by_length'"),  # older transformers
+        (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy='group_by_length'"),
+        (dict(train_sampling_strategy="batch_rebalance"), "train_sampling_strategy='batch_rebalance'"),
         (dict(parallelism_config=SimpleNamespace(sp_size=2, cp_size=1, tp_size=1)), "parallelism_config.sp_size=2"),
         (dict(deepspeed=None), "TrainingArguments\\(deepspeed=...\\)"),
         (dict(world_size=3), r"sequence_parallel_size=2 must divide the world size \(3\)"),
