@@ -170,3 +170,34 @@ def test_sim_progress_goes_to_stderr_only(capsys):
     # the table has the same rows and columns either way (the timings differ)
     assert [ln.split()[:4] for ln in with_bar.out.splitlines()[-9:]] == \
         [ln.split()[:4] for ln in without.out.splitlines()[-9:]]
+
+
+@pytest.mark.parametrize("reps", [1, 3, 5])
+@pytest.mark.parametrize("warm_up_s", [0.5, 2.0])
+def test_reference_bar_total_matches_the_calls_time_call_makes(reps, warm_up_s):
+    """The one-device reference is a few long calls: the bar's total must end equal to its ticks,
+    whether time_call takes ``reps`` samples (short warm-up) or ``max(2, reps // 2)`` (long)."""
+    from striped_sp.bench.sim import Bar, SimConfig, reference_calls, time_reference
+
+    class Counter:
+        def __init__(self, total):
+            self.total, self.n = total, 0
+
+        def update(self, n=1):
+            self.n += n
+
+        def refresh(self):
+            pass
+
+    now = [0.0]
+    cfg = SimConfig(reps=reps)
+    bar = Bar(0, "", False)
+    bar.bar = Counter(reference_calls(cfg))
+    for _ in range(2):  # the forward and the backward pass
+
+        def call():
+            now[0] += warm_up_s
+
+        time_reference(bar, call, cfg, clock=lambda: now[0])
+    assert bar.bar.n == bar.bar.total
+    assert bar.bar.n == 2 * (1 + (reps if warm_up_s <= 1.0 else max(2, reps // 2)))

@@ -25,7 +25,7 @@ import torch
 from ..kernels import Kernel, resolve_kernel
 from ..layouts import get_layout
 from ..step import Accumulator, backward_step, forward_step, seq_slice, strict_block_mode, to_format
-from .common import clock_for, median, progress, time_call, time_once
+from .common import clock_for, median, progress, sync, time_call, time_once
 from .work import step_entries
 
 __all__ = ["SimConfig", "simulate"]
@@ -118,7 +118,7 @@ class _Inputs:
 class Bar:
     """A manual progress bar on stderr (tqdm, the bench extra) for the timed calls of one point;
     does nothing when off or without tqdm.  Ticks happen between timed calls (never inside one),
-    except in :meth:`counted`, whose tick costs microseconds against the reference's long calls."""
+    except in :func:`time_reference`, whose tick costs microseconds against the reference's long calls."""
 
     def __init__(self, total: int, desc: str, enabled: bool):
         self.bar = progress(None, total=total, desc=desc, enabled=enabled) if enabled and total else None
@@ -127,13 +127,10 @@ class Bar:
         if self.bar is not None:
             self.bar.update(n)
 
-    def counted(self, fn):
-        """``fn`` that ticks once per call."""
-        def run():
-            out = fn()
-            self.tick()
-            return out
-        return run
+    def add_to_total(self, n: int) -> None:
+        if self.bar is not None and n:
+            self.bar.total += n
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -146,8 +143,30 @@ def timed_calls(cfg: SimConfig, plans: dict) -> int:
 
 
 def reference_calls(cfg: SimConfig) -> int:
-    """The most kernel calls :func:`_reference` makes (``time_call``: warm-up and ``reps`` per pass)."""
+    """The calls of the reference's two passes when they are short (``time_call``: a warm-up and
+    ``reps``); :func:`time_reference` corrects the bar when they are long."""
     return 2 * (cfg.reps + 1) if cfg.reference else 0
+
+
+_LONG_S = 1.0  # time_call's long_s: a longer warm-up takes max(2, reps // 2) samples instead of reps
+
+
+def time_reference(bar: Bar, fn, cfg: SimConfig, clock) -> float:
+    """``time_call(fn)`` (median seconds) with a bar tick after each call; when the warm-up is
+    long, ``time_call`` takes fewer samples and the bar's total is corrected to match."""
+    state = {"calls": 0}
+
+    def run():
+        t0 = clock()
+        out = fn()
+        sync(cfg.device)
+        if state["calls"] == 0 and clock() - t0 > _LONG_S:
+            bar.add_to_total(max(2, cfg.reps // 2) - cfg.reps)
+        state["calls"] += 1
+        bar.tick()
+        return out
+
+    return time_call(run, cfg.device, cfg.reps, long_s=_LONG_S, clock=clock)
 
 
 def _plan_key(calls, n):
@@ -223,9 +242,8 @@ def _reference(cfg: SimConfig, seq_len: int, gen: torch.Generator, clock, bar: B
 
     bar = bar or Bar(0, "", False)
     full = [BlockCall(slice(None), slice(None), True)]
-    fwd = time_call(bar.counted(lambda: inp.kernel.forward_native(inp.q, inp.k, inp.v, True, inp.scale)),
-                    cfg.device, cfg.reps, clock=clock)
-    bwd = time_call(bar.counted(lambda: inp.backward_step(full)), cfg.device, cfg.reps, clock=clock)
+    fwd = time_reference(bar, lambda: inp.kernel.forward_native(inp.q, inp.k, inp.v, True, inp.scale), cfg, clock)
+    bwd = time_reference(bar, lambda: inp.backward_step(full), cfg, clock)
     del inp
     return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
 

@@ -17,9 +17,9 @@ from ..step import Accumulator as _Accumulator
 from ..kernels import resolve_kernel
 from ..layouts import get_layout
 from ..masks import block_plan, make_mask
-from .common import clock_for, progress, time_call
+from .common import clock_for, progress
 from .docs import workload
-from .sim import PASSES, Bar, SimConfig, _critical_path, _time_plans, reference_calls, timed_calls
+from .sim import PASSES, Bar, SimConfig, _critical_path, _time_plans, reference_calls, time_reference, timed_calls
 
 __all__ = ["simulate_masked"]
 
@@ -66,8 +66,8 @@ def _reference(cfg: SimConfig, work, gen, clock, bar: Bar) -> dict:
                      None if work.mask.left < 0 else (work.mask.left, 0), True)
     calls = block_plan(get_layout("contiguous"), mask, 1, 0, 0)
     inp = _MaskedInputs(cfg, seq, gen)
-    fwd = time_call(bar.counted(lambda: inp.forward_step(calls, True)), cfg.device, cfg.reps, clock=clock)
-    bwd = time_call(bar.counted(lambda: inp.backward_step(calls)), cfg.device, cfg.reps, clock=clock)
+    fwd = time_reference(bar, lambda: inp.forward_step(calls, True), cfg, clock)
+    bwd = time_reference(bar, lambda: inp.backward_step(calls), cfg, clock)
     return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
 
 
