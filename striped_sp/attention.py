@@ -77,6 +77,7 @@ class _RingAttention(torch.autograd.Function):
             k_cur = v_cur = None  # the copies: freed once sent on
             if transfer is not None:
                 k_cur, v_cur = transfer.wait()
+                transfer = None  # its requests hold the block sent on: free it before the next shift
         del qn, k_cur, v_cur
         out = from_format(acc.out, fmt, q.dtype)  # [b, s, h, d], contiguous
         ctx.save_for_backward(q, k, v, out, acc.lse)
@@ -121,6 +122,7 @@ class _RingAttention(torch.autograd.Function):
                 dk_acc = dv_acc = None
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()
+                kv_transfer = None  # its requests hold the block sent on: free it before the next shift
         if dkv_transfer is not None:
             dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
         return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype),

@@ -17,7 +17,7 @@ from striped_sp.layouts import LAYOUTS
 
 SIM_KEYS = {"layout", "world_size", "seq_len", "pass", "critical_path_ms", "speedup_vs_contiguous", "efficiency"}
 RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
-            "padding_tokens"}
+            "padding_tokens", "peak_mib"}
 
 
 def _brute_force(layout: str, world_size: int, local_len: int) -> list[list[int]]:
@@ -131,10 +131,13 @@ def test_run_smoke(tmp_path, capsys, monkeypatch):
                  "--json", str(path)]) == 0
     recs = json.loads(path.read_text())
     assert {r["impl"] for r in recs} == {"striped", "zigzag", "contiguous", "torch_ring", "ulysses",
-                                         "striped+u2", "zigzag+u2", "contiguous+u2"}
+                                         "striped+u2", "zigzag+u2", "contiguous+u2", "sdpa_1proc"}
     for r in recs:
         assert set(r) == RUN_KEYS
-        assert r["world_size"] == 2 and r["seq_len"] == 12
+        assert r["world_size"] == (1 if r["impl"] == "sdpa_1proc" else 2) and r["seq_len"] == 12
+        # every line that ran has its peak memory: at least its own inputs (q, k, v, dout; fp32)
+        inputs_mib = 4 * r["seq_len"] // r["world_size"] * 2 * 8 * 4 / 2**20
+        assert r["median_ms"] is None or r["peak_mib"] >= inputs_mib, r
     out = capsys.readouterr().out
     for peer in ("torch_ring", "ulysses"):
         _check_peer_line(peer, next(l for l in out.splitlines() if l.startswith(peer)))

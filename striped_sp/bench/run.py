@@ -8,6 +8,13 @@ its time is the slowest rank's (all-reduce max).  The first ``warmup`` iteration
 record is the median of the next ``iters``.  Each peer's output is checked once against
 ``ring_attention`` with the peer's layout on the same local inputs (``max_abs_err``).
 
+Memory (``memory=True``): the first iteration of every implementation (a warm-up one unless
+``warmup=0``) runs under :class:`.memory.MemoryPeak`; ``peak_mib`` is the local inputs (q, k, v,
+dout) plus the peak of what fwd+bwd allocates on a rank (the gradients included), the largest over
+the ranks.  ``reference=True`` adds the line ``sdpa_1proc``: one process (rank 0, the same threads
+as a rank) running PyTorch's fused causal SDPA fwd+bwd on the whole sequence, timed once and
+measured the same way: what context parallelism divides.
+
 With ``profile=True`` our layouts also report, per rank, where forward and backward time goes:
 kernel calls, the fp32 merge, waits on the ring transfers, and the rest (slicing, accumulation,
 allocation), by timing wrappers installed in the worker processes only.
@@ -15,6 +22,7 @@ allocation), by timing wrappers installed in the worker processes only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -26,6 +34,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from .. import attention as _attention
 from .. import ring as _ring
@@ -35,6 +44,7 @@ from ..kernels import Kernel, resolve_kernel
 from ..layouts import get_layout
 from .common import median, pick_dtype, progress, sync
 from .docs import workload
+from .memory import MemoryPeak, tensor_bytes
 from .peers import PEERS, PeerSkip
 
 __all__ = ["RunConfig", "run"]
@@ -64,6 +74,8 @@ class RunConfig:
     docs: str | None = None  # packed documents (see bench.docs); zigzag pads each to a multiple of 2N
     window: int = 0  # sliding window (left); 0: none
     ulysses_sizes: tuple = ()  # hierarchical CP: also run each layout with these ulysses_size values
+    memory: bool = True  # peak memory per rank, measured on each implementation's first iteration
+    reference: bool = True  # the sdpa_1proc line: one process, fused SDPA on the whole sequence
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,20 +217,26 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                     impls[peer] = PEERS[peer](group, {"force_peers": cfg.force_peers}, q, k, v)
                 except PeerSkip as e:
                     notes[(seq, peer)] = f"skipped: {e}"
-            samples = {name: [] for name in impls}
+            samples, peaks = {name: [] for name in impls}, {}
             prof = {name: {} for name in cfg.layouts}
         for name in list(impls):
             fn, lay = impls[name]
             failed = torch.zeros(1, device=device)
+            args = inputs.get(name, (q, k, v, dout))
+            for t in args[:3]:
+                t.grad = None  # freed outside the memory window
+            out = None
+            tracker = MemoryPeak(device) if cfg.memory and it == 0 else contextlib.nullcontext()
             dist.barrier()
             clock.t, clock.phase = {}, "fwd"
             t0 = time.perf_counter()
             try:
-                if cfg.profile and name in cfg.layouts and not (cfg.docs or cfg.window):
-                    out = _profiled_step(q, k, v, dout, group, lay, kernel, clock)
-                else:
-                    out = _fwd_bwd(fn, *inputs.get(name, (q, k, v, dout)))
-                sync(device)
+                with tracker:
+                    if cfg.profile and name in cfg.layouts and not (cfg.docs or cfg.window):
+                        out = _profiled_step(*args, group, lay, kernel, clock)
+                    else:
+                        out = _fwd_bwd(fn, *args)
+                    sync(device)
             except Exception as e:  # noqa: BLE001 - a peer failing here is a skip, not a crash
                 if name in cfg.layouts or "+u" in name:
                     raise
@@ -230,6 +248,8 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 notes.setdefault((seq, name), "skipped: failed on another rank")
                 del impls[name]
                 continue
+            if it == 0 and cfg.memory:
+                peaks[name] = _max_over_ranks(tensor_bytes(*args) + tracker.peak, device)
             if it == 0 and name in cfg.peers:
                 ref = ring_attention(q.detach(), k.detach(), v.detach(), group, layout=lay, backend=cfg.backend)
                 err = (out.detach().float() - ref.float()).abs().max().reshape(1)
@@ -248,12 +268,21 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 m = median(ts)
                 records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": m * 1e3,
                                 "speedup_vs_contiguous": base / m if base else None,
-                                "docs": cfg.docs, "window": cfg.window, "padding_tokens": padding.get(name, 0)})
+                                "docs": cfg.docs, "window": cfg.window, "padding_tokens": padding.get(name, 0),
+                                "peak_mib": _mib(peaks.get(name))})
             for name in cfg.peers:
                 if name not in samples or not samples[name]:
                     records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": None,
                                     "speedup_vs_contiguous": None, "docs": cfg.docs, "window": cfg.window,
-                                    "padding_tokens": 0})
+                                    "padding_tokens": 0, "peak_mib": None})
+            if cfg.reference:
+                ms, peak = _reference(cfg, seq, dtype, device, kvh, rank == 0)
+                records.append({"impl": "sdpa_1proc", "world_size": 1, "seq_len": seq, "median_ms": ms,
+                                "speedup_vs_contiguous": base / (ms / 1e3) if base and ms else None,
+                                "docs": cfg.docs, "window": cfg.window, "padding_tokens": 0,
+                                "peak_mib": _mib(peak)})
+                notes[(seq, "sdpa_1proc")] = ("one process, the whole sequence, 1 run" + (
+                    "; causal only: no documents or window" if cfg.docs or cfg.window else ""))
             for name, d in prof.items():
                 if d:
                     profile.append({"impl": name, "seq_len": seq, "rank": rank,
@@ -262,6 +291,44 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
     results.put(("ok", rank, (records, {f"{s}|{p}": m for (s, p), m in notes.items()}, profile)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _mib(nbytes):
+    return None if nbytes is None else nbytes / 2**20
+
+
+def _max_over_ranks(nbytes: int, device) -> int:
+    t = torch.tensor([float(nbytes)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _reference(cfg: RunConfig, seq: int, dtype, device, kv_heads: int, mine: bool):
+    """``(ms, peak bytes)`` of one fwd+bwd of PyTorch's fused causal SDPA over all ``seq`` tokens in
+    one process (rank 0; the others wait), inputs included; ``(None, None)`` when it fails."""
+    ms = peak = None
+    if mine:
+        try:
+            gen = torch.Generator().manual_seed(99)
+            q, k, v, dout = (torch.randn((cfg.batch, seq, h, cfg.head_dim), generator=gen).to(device, dtype)
+                             for h in (cfg.heads, kv_heads, kv_heads, cfg.heads))
+            for t in (q, k, v):
+                t.requires_grad_()
+
+            def sdpa(q, k, v):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=True, enable_gqa=k.size(2) != q.size(2)).transpose(1, 2)
+
+            with MemoryPeak(device) as mem:
+                t0 = time.perf_counter()
+                _fwd_bwd(sdpa, q, k, v, dout)
+                sync(device)
+                ms = (time.perf_counter() - t0) * 1e3
+            peak = tensor_bytes(q, k, v, dout) + mem.peak
+        except Exception:  # noqa: BLE001 - out of memory on one device, say: the line stays empty
+            ms = peak = None
+    dist.barrier()
+    return ms, peak
 
 
 def _profiled_step(q, k, v, dout, group, layout, kernel, clock):
@@ -286,7 +353,8 @@ def _profiled_step(q, k, v, dout, group, layout, kernel, clock):
 def run(cfg: RunConfig):
     """Spawn the ranks; returns (records, notes, profile rows).
 
-    ``records``: ``{"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous"}``;
+    ``records``: ``{"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
+    "padding_tokens", "peak_mib"}`` (``peak_mib``: the largest rank's peak, module docstring);
     ``notes``: ``{(seq_len, impl): text}``; ``profile``: per (impl, seq_len, rank) milliseconds.
     """
     if cfg.device == "auto":
