@@ -61,13 +61,15 @@ class _RingAttention(torch.autograd.Function):
         ring = Ring(group, timeout)
         n, rank, local_len = ring.world_size, ring.rank, q.size(1)
         plans = _plans(layout, mask, causal, n, rank, local_len)
+        # a window that reaches back fewer ranks than the ring holds cuts the ring short
+        steps = n if mask is None else layout.ring_steps(n, local_len, mask)
         fmt = "bshd" if mask is not None else kernel.tensor_format
         aligned = strict_block == "aligned"
         qn, k_cur, v_cur = (to_format(t, fmt) for t in (q, k, v))
         acc = Accumulator(qn, masked=mask is not None, fmt=fmt, value_dim=v.size(-1))
-        for step in range(n):
-            transfer = ring.shift([k_cur, v_cur], f"forward step {step + 1} of {n} (keys/values)") \
-                if step < n - 1 else None
+        for step in range(steps):
+            transfer = ring.shift([k_cur, v_cur], f"forward step {step + 1} of {steps} (keys/values)") \
+                if step < steps - 1 else None
             with _settle_on_error(transfer):
                 if mask is None:
                     forward_step(kernel, qn, k_cur, v_cur, plans[step], scale, acc, aligned)
@@ -82,7 +84,7 @@ class _RingAttention(torch.autograd.Function):
         out = from_format(acc.out, fmt, q.dtype)  # [b, s, h, d], contiguous
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
-        ctx.grad_comm_dtype, ctx.aligned, ctx.timeout = grad_comm_dtype, aligned, timeout
+        ctx.grad_comm_dtype, ctx.aligned, ctx.timeout, ctx.steps = grad_comm_dtype, aligned, timeout, steps
         return out
 
     @staticmethod
@@ -95,9 +97,10 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         k_cur, v_cur = k, v
         dkv_transfer = None
-        for step in range(n):
-            kv_transfer = ring.shift([k_cur, v_cur], f"backward step {step + 1} of {n} (keys/values)") \
-                if step < n - 1 else None
+        steps = ctx.steps
+        for step in range(steps):
+            kv_transfer = ring.shift([k_cur, v_cur], f"backward step {step + 1} of {steps} (keys/values)") \
+                if step < steps - 1 else None
             # this block's fp32 dK/dV accumulators: fresh for our own block, else the ones arriving
             # with it (accumulated in fp32 whatever the travel dtype)
             if dkv_transfer is None:
@@ -116,9 +119,10 @@ class _RingAttention(torch.autograd.Function):
                     backward_step(kernel, dout, q, k_cur, v_cur, out, lse, plans[step], scale, dq, "bshd",
                                   ctx.aligned, dk=dk_acc, dv=dv_acc, split_heads=True)
             k_cur = v_cur = None  # a visiting block: freed once sent on
-            if n > 1:
+            if steps > 1:  # on to the next rank; after the last step, straight home to the owner
                 dkv_transfer = ring.shift([dk_acc.to(ctx.grad_comm_dtype), dv_acc.to(ctx.grad_comm_dtype)],
-                                          f"backward step {step + 1} of {n} (dK/dV)")
+                                          f"backward step {step + 1} of {steps} (dK/dV)",
+                                          hops=1 if step < steps - 1 else n - step)
                 dk_acc = dv_acc = None
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()

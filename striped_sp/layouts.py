@@ -121,6 +121,22 @@ class Layout:
         ``doc_placement``) lists its runs out of global order."""
         raise NotImplementedError
 
+    def ring_steps(self, world_size: int, local_len: int, mask=None) -> int:
+        """How many ring steps can hold visible keys (``1 .. world_size``): at step ``t`` rank ``r``
+        holds the keys of rank ``r - t``, and a causal window of ``left`` tokens never reaches
+        further back than ``ceil(left / block)`` blocks of consecutive tokens (``block``: see
+        :meth:`window_block`), so the steps after that carry nothing to compute; documents only
+        hide more keys.  Every rank gets the same answer from the same arguments."""
+        block = self.window_block(world_size, local_len, mask)
+        if mask is None or block is None or mask.right != 0 or mask.left < 0:
+            return world_size
+        return min(world_size, -(-mask.left // block) + 1)
+
+    def window_block(self, world_size: int, local_len: int, mask=None) -> int | None:
+        """The size of the blocks of consecutive tokens this layout deals to ranks round-robin
+        (rank ``r`` holds blocks ``r, r + N, ...``), or ``None`` when it does not."""
+        return None
+
     def run_table(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> torch.Tensor:
         """:meth:`runs` as an int64 tensor ``[runs, 4]``: local start, first position, count, step."""
         runs = torch.as_tensor(self.runs(seq_len, world_size, rank, cu_seqlens), dtype=torch.int64)
@@ -162,6 +178,9 @@ class Layout:
 
 class Contiguous(Layout):
     name = "contiguous"
+
+    def window_block(self, world_size, local_len, mask=None):
+        return local_len
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         n = seq_len // world_size
@@ -234,6 +253,9 @@ class Striped(Layout):
 
     def stride(self, world_size):
         return world_size if self.stripe_size == 1 else 1
+
+    def window_block(self, world_size, local_len, mask=None):
+        return None if self.placed else self.stripe_size
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         if self.stripe_size == 1 and (not self.placed or cu_seqlens is None):

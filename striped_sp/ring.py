@@ -102,14 +102,20 @@ class Ring:
         self.next_rank = ranks[(self.rank + 1) % self.world_size]
         self.prev_rank = ranks[(self.rank - 1) % self.world_size]
 
-    def shift(self, tensors: list[torch.Tensor], what: str = "a ring step") -> Transfer:
+    def shift(self, tensors: list[torch.Tensor], what: str = "a ring step", hops: int = 1) -> Transfer:
         """Post the send of ``tensors`` to the next rank and receives of same-shaped tensors from
         the previous one into fresh buffers (the double buffer); returns at once.  ``what`` names
-        the step in a timeout's message (``"forward step 2 of 4"``)."""
+        the step in a timeout's message (``"forward step 2 of 4"``).  ``hops``: send that many
+        ranks ahead instead (and receive from as many behind), for a ring cut short."""
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
-        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in sent]
-        ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
+        to, frm = self.next_rank, self.prev_rank
+        if hops % self.world_size != 1:
+            ranks = dist.get_process_group_ranks(self.group)
+            to, frm = ranks[(self.rank + hops) % self.world_size], ranks[(self.rank - hops) % self.world_size]
+            what = f"{what}, {hops} ranks ahead: to rank {to}, from rank {frm}"
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sent]
+        ops += [dist.P2POp(dist.irecv, r, frm, self.group) for r in received]
         return Transfer(dist.batch_isend_irecv(ops), sent, received, self, what)
 
     def stuck_error(self, what: str, sending: bool, err: BaseException) -> Exception:

@@ -204,3 +204,22 @@ def test_auto_stays_balanced_on_a_web_mix(n):
         ideal = sum((b - a) * (b - a + 1) // 2 for a, b in zip(bounds[:-1], bounds[1:])) / n
         entries = masked_step_entries(Workload(lay.key, n, mask, 0, ideal))
         assert sum(max(row) for row in entries) / ideal <= 1.02
+
+
+@pytest.mark.parametrize("spec, n, local, left, steps", [
+    ("contiguous", 8, 64, 64, 2), ("contiguous", 8, 64, 65, 3), ("contiguous", 8, 64, 0, 1),
+    ("striped:stripe=16", 8, 64, 40, 4), ("striped", 8, 64, 5, 6), ("striped", 4, 64, 5, 4),
+    ("zigzag", 8, 64, 3, 8), ("striped:place=auto", 8, 64, 3, 8), ("contiguous", 8, 64, -1, 8),
+])
+def test_ring_steps_cover_every_visible_block(spec, n, local, left, steps):
+    """No step after ring_steps has visible keys on any rank (the block plans' own count), and for
+    layouts dealt in blocks the bound is tight: its last step has some."""
+    from striped_sp.masks import block_plan, make_mask
+
+    lay = get_layout(spec)
+    mask = make_mask(n * local, n, lay, None, (left, 0) if left >= 0 else None, True)
+    assert lay.ring_steps(n, local, mask) == steps
+    busy = [any(block_plan(lay, mask, n, r, (r - t) % n) for r in range(n)) for t in range(n)]
+    assert not any(busy[steps:])
+    if lay.window_block(n, local, mask) is not None:
+        assert busy[steps - 1]
