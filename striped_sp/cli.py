@@ -351,6 +351,10 @@ def _masked_sim(args, device, dtype) -> int:
                               ("documents", "docs"), ("padding_tokens", "padding"), ("pass", "pass"),
                               ("critical_path_ms", "critical ms"), ("speedup_vs_contiguous", "vs contiguous"),
                               ("speedup_vs_zigzag", "vs zigzag"), ("efficiency", "efficiency")]))
+    for r in recs:
+        if "plan" in r and r["pass"] == "forward":
+            print(f"plan {r['layout']} N={r['world_size']}: {r['plan']}; forward predicted "
+                  f"{r['predicted_forward_ms']:.1f} ms (cost model 'cpu'), measured {r['measured_forward_ms']:.1f} ms")
     if args.json:
         write_json(args.json, recs)
     if args.plot:

@@ -29,7 +29,7 @@ import numbers
 import torch
 
 __all__ = ["CostModel", "COST_MODELS", "BALANCE_SLACK", "check_placement", "placed_runs", "choose_whole_max",
-           "predict"]
+           "predict", "describe"]
 
 #: ``"auto"`` keeps documents whole only where the critical path stays within 1% of ideal (entries)
 BALANCE_SLACK = 0.01
@@ -246,6 +246,23 @@ def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel 
     if best is None:
         raise ValueError(f"no document placement fills {world_size} ranks evenly with stripe_size={stripe}")
     return best[1]
+
+
+def describe(bounds, world_size: int, stripe: int, doc_placement, model: CostModel | str = "cpu") -> dict:
+    """What a striped layout does with a packed row, for reports: ``whole_max`` (the longest
+    whole document allowed; 0: none), ``whole_documents`` / ``documents``, the model's ``balance``
+    and ``predicted_forward_ms`` per head (:func:`predict`)."""
+    bounds = tuple(bounds)
+    whole_max = {"split": 0, "auto": None}.get(doc_placement, doc_placement)
+    if whole_max is None:
+        whole_max = choose_whole_max(bounds, world_size, stripe, model)
+    tables, whole, _, _ = _place(bounds, world_size, stripe, whole_max)
+    starts = {bounds[d] for d in whole}
+    kept = sum(1 for t in tables for _, first, count, step in t.tolist()
+               if step == 1 and first in starts and count == bounds[bounds.index(first) + 1] - first)
+    pred = predict(bounds, world_size, stripe, whole_max, model)
+    return {"whole_max": whole_max, "whole_documents": kept, "documents": len(bounds) - 1,
+            "balance": pred["balance"], "predicted_forward_ms": pred["ms"]}
 
 
 @functools.lru_cache(maxsize=64)

@@ -11,7 +11,7 @@ from reference import reference_mask
 from striped_sp.bench.docs import packed_row, parse_docs, visible_entries, workload
 from striped_sp.bench.work import masked_step_entries
 from striped_sp.cli import main
-from striped_sp.layouts import LAYOUTS
+from striped_sp.layouts import LAYOUTS, get_layout
 
 
 @pytest.mark.parametrize("spec", ["lognormal:median=64,sigma=1.2", "long", "fixed:7"])
@@ -32,13 +32,14 @@ def test_bad_docs_spec(bad):
 
 def _brute_force(work):
     """entries[t][r] from the global mask of the layout's (possibly padded) row."""
-    lay, n, spec = LAYOUTS[work.layout], work.world_size, work.mask
+    lay, n, spec = get_layout(work.layout), work.world_size, work.mask
     visible = reference_mask(spec.seq_len, True, spec.bounds, None if spec.left < 0 else (spec.left, 0))
     pos = [lay.positions(spec.seq_len, n, r, spec.bounds) for r in range(n)]
     return [[int(visible[pos[r]][:, pos[(r - t) % n]].sum()) for r in range(n)] for t in range(n)]
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS) + ["striped:stripe=3", "striped:place=auto", "striped:place=6",
+                                                    "striped:stripe=2,place=5"])
 @pytest.mark.parametrize("docs, window", [("lognormal:median=20,sigma=1.0", None), (None, 9),
                                           ("fixed:5", 3), ("long", 30)])
 def test_masked_work_model_matches_brute_force(layout, docs, window):
@@ -72,6 +73,14 @@ def test_masked_balance_and_sim_smoke(tmp_path, capsys):
         assert r["critical_path_ms"] > 0 and r["efficiency"] > 0 and r["speedup_vs_zigzag"] > 0
         assert r["docs"] == "fixed:9" and r["window"] == 5
     assert "vs zigzag" in capsys.readouterr().out
+    assert main(["bench", "sim", "--world-sizes", "2", "--tokens-per-rank", "40", "--heads", "2",
+                 "--head-dim", "8", "--reps", "1", "--docs", "fixed:9", "--device", "cpu", "--no-reference",
+                 "--no-progress", "--json", str(path), "--layouts", "striped:place=auto;striped:stripe=4;zigzag"]) == 0
+    recs = json.loads(path.read_text())
+    placed = [r for r in recs if r["layout"] == "striped:place=auto"]
+    assert placed and all(r["plan"].startswith("whole documents <= ") and r["predicted_forward_ms"] > 0
+                          for r in placed)
+    assert "plan striped:place=auto N=2: whole documents" in capsys.readouterr().out
 
 
 def test_masked_run_smoke(tmp_path, capsys):

@@ -123,5 +123,20 @@ def simulate_masked(cfg: SimConfig, tokens_per_rank: list[int], docs: str | None
                     "speedup_vs_contiguous": base[0][p] / c if base else None,
                     "speedup_vs_zigzag": zig[0][p] / c if zig else None,
                     "efficiency": ref[p] / n_ranks / c if ref else None,
+                    **_plan_report(lay, work, cfg, crit),
                 })
     return records
+
+
+def _plan_report(lay: str, work, cfg: SimConfig, crit: dict) -> dict:
+    """For a striped layout with a stripe size or a document placement: the placement chosen
+    (``striped_sp.placement.describe``) and the cost model's forward time beside the measured one."""
+    layout = get_layout(lay)
+    if layout.name != "striped" or layout.key == "striped":
+        return {}
+    from ..placement import describe
+
+    d = describe(work.mask.bounds, work.world_size, layout.stripe_size, layout.doc_placement)
+    return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}",
+            "predicted_forward_ms": d["predicted_forward_ms"] * cfg.heads,
+            "measured_forward_ms": crit["forward"] * 1e3}
