@@ -154,11 +154,11 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         enabled = check_ranks_enabled()
     if group is None:
         group = dist.group.WORLD
-    if not enabled or dist.get_world_size(group) == 1 or _tracing():
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if not enabled or dist.get_world_size(group) == 1 or _tracing(device):
         if error is not None:
             raise error
         return
-    device = torch.device("cpu") if device is None else torch.device(device)
     if error is None:
         signature = tuple([(name, _hashable(value)) for name, value in fields])
         cache = _CACHES.setdefault(_group_key(group), collections.OrderedDict())
@@ -190,9 +190,10 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         cache.popitem(last=False)
 
 
-def _tracing() -> bool:
-    """Inside ``torch.compile`` tracing or a CUDA graph capture: no exchange can run."""
+def _tracing(device: torch.device) -> bool:
+    """Inside ``torch.compile`` tracing or a CUDA graph capture: no exchange can run.  The capture
+    is asked about only for CUDA tensors (asking initialises CUDA, which a CPU run may not have)."""
     compiler = getattr(torch, "compiler", None)
     if compiler is not None and getattr(compiler, "is_compiling", lambda: False)():
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

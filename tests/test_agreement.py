@@ -217,3 +217,20 @@ def test_switch_values_without_a_group():
                 agreement.check_ranks_enabled()
         finally:
             del os.environ["STRIPED_SP_CHECK_RANKS"]
+
+
+def test_cpu_calls_never_ask_cuda_about_graph_capture(monkeypatch):
+    """A CPU run whose torch reports CUDA (a CUDA build, or Megatron's CPU shims) must not
+    initialise CUDA: the capture check is for CUDA tensors only."""
+    import torch
+
+    from striped_sp import agreement
+
+    def boom():
+        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", boom)
+    assert agreement._tracing(torch.device("cpu")) is False
+    with pytest.raises(RuntimeError, match="insufficient"):
+        agreement._tracing(torch.device("cuda"))
