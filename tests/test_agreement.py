@@ -234,3 +234,14 @@ def test_cpu_calls_never_ask_cuda_about_graph_capture(monkeypatch):
     assert agreement._tracing(torch.device("cpu")) is False
     with pytest.raises(RuntimeError, match="insufficient"):
         agreement._tracing(torch.device("cuda"))
+
+
+def test_data_loader_check_switch_refuses_bad_values(monkeypatch):
+    from striped_sp.deepspeed.data import ShardedDataLoader
+
+    for value in ("", "0", "1", "always"):
+        monkeypatch.setenv("STRIPED_SP_CHECK_RANKS", value)
+        assert ShardedDataLoader([], None).check_ranks is False  # one rank: nothing to compare
+    monkeypatch.setenv("STRIPED_SP_CHECK_RANKS", "false")
+    with pytest.raises(ValueError, match="STRIPED_SP_CHECK_RANKS='false'"):
+        ShardedDataLoader([], None)

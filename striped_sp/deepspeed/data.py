@@ -222,8 +222,9 @@ class ShardedDataLoader:
 
     ``group``: the sequence-parallel group (``None``: one rank, which still gets shifted labels and
     ``num_items_in_batch``).  Every rank of the group must see the same batches; ``check_ranks``
-    (default: ``STRIPED_SP_CHECK_RANKS=1`` in the environment) checks that on every batch with one
-    small all-gather (:func:`check_same_batch`).
+    (default: on when ``STRIPED_SP_CHECK_RANKS`` is ``1`` or ``always`` in the environment, off when
+    unset or ``0``; other values are a ``ValueError``) checks that on every batch with one small
+    all-gather (:func:`check_same_batch`).
     """
 
     def __init__(self, loader: Iterable, group=None, layout: str = "striped", ignore_index: int = IGNORE_INDEX,
@@ -239,8 +240,11 @@ class ShardedDataLoader:
         self.group = group
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
-        if check_ranks is None:
-            check_ranks = os.environ.get("STRIPED_SP_CHECK_RANKS", "0") not in ("", "0")
+        if check_ranks is None:  # per batch, so only when asked for: "1" or "always" (the ring's default is its own)
+            env = os.environ.get("STRIPED_SP_CHECK_RANKS", "")
+            if env not in ("", "0", "1", "always"):
+                raise ValueError(f"STRIPED_SP_CHECK_RANKS={env!r} must be '0', '1' or 'always'")
+            check_ranks = env in ("1", "always")
         self.check_ranks = bool(check_ranks) and self.world_size > 1
 
     def __len__(self) -> int:
