@@ -22,6 +22,7 @@ and the policy, so every rank, the data loader and the ring compute the same pla
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import numbers
@@ -163,7 +164,7 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int):
     whole = [d for d, n in enumerate(lengths) if n <= min(whole_max, local)]
     for attempt in range(2 * world_size + 1):
         if attempt == 2 * world_size:
-            cut_max = local  # give up moving documents: cut what is left
+            cut_max = local  # give up moving documents: cut what is left (predict counts the cost)
         whole_set = set(whole)
         striped = [d for d in range(len(lengths)) if d not in whole_set]
         striped_runs, capacity = _striped_capacity(bounds, striped, world_size, stripe, local)
@@ -189,6 +190,25 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int):
     return tables, whole, striped, entries
 
 
+def _cross_entries(bounds: tuple, world_size: int, stripe: int, whole_max: int) -> int:
+    """Score entries between the pieces of documents cut over several ranks."""
+    tables, whole, _, _ = _place(bounds, world_size, stripe, whole_max)
+    whole = set(whole)
+    pieces: dict = {}
+    for t in tables:
+        for _, first, count, step in t.tolist():
+            doc = bisect.bisect_right(bounds, first) - 1
+            if step == 1 and doc in whole:
+                pieces.setdefault(doc, []).append(count)
+    total = 0
+    for counts in pieces.values():
+        before = 0
+        for c in counts:
+            total += c * before
+            before += c
+    return total
+
+
 def _piece(length: int, world_size: int, stripe: int) -> float:
     """Rows of the pieces a striped document of ``length`` tokens is cut into on one rank."""
     return length / world_size if stripe == 1 else min(stripe, length)
@@ -205,7 +225,9 @@ def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostMod
     lengths = _lengths(bounds)
     ideal = sum(_entries(n) for n in lengths) / world_size
     striped_share = sum(_entries(lengths[d]) for d in striped) / world_size
-    balance = (max(entries) + striped_share) / ideal
+    # a document cut over ranks adds its cross blocks (piece x earlier pieces) to single steps of
+    # single ranks: counted in full, as if they all fell on the slowest rank
+    balance = (max(entries) + _cross_entries(bounds, world_size, stripe, whole_max) + striped_share) / ideal
     whole_ns = [0.0] * world_size
     by_rank = {}
     for r, t in enumerate(_place(bounds, world_size, stripe, whole_max)[0]):
