@@ -353,8 +353,11 @@ def _masked_sim(args, device, dtype) -> int:
                               ("speedup_vs_zigzag", "vs zigzag"), ("efficiency", "efficiency")]))
     for r in recs:
         if "plan" in r and r["pass"] == "forward":
-            print(f"plan {r['layout']} N={r['world_size']}: {r['plan']}; forward predicted "
-                  f"{r['predicted_forward_ms']:.1f} ms (cost model 'cpu'), measured {r['measured_forward_ms']:.1f} ms")
+            pred = r["predicted_forward_ms"]
+            pred = "not predicted (the cost model knows no windows)" if pred is None else \
+                f"predicted {pred:.1f} ms (cost model 'cpu')"
+            print(f"plan {r['layout']} N={r['world_size']}: {r['plan']}; forward {pred}, "
+                  f"measured {r['measured_forward_ms']:.1f} ms")
     if args.json:
         write_json(args.json, recs)
     if args.plot:

@@ -137,6 +137,8 @@ def _plan_report(lay: str, work, cfg: SimConfig, crit: dict) -> dict:
     from ..placement import describe
 
     d = describe(work.mask.bounds, work.world_size, layout.stripe_size, layout.doc_placement)
+    # the cost model knows documents, not windows: no prediction for a windowed row
+    windowed = work.mask.left >= 0
     return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}",
-            "predicted_forward_ms": d["predicted_forward_ms"] * cfg.heads,
+            "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * cfg.heads,
             "measured_forward_ms": crit["forward"] * 1e3}
