@@ -190,18 +190,28 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int):
     return tables, whole, striped, entries
 
 
-def _cross_entries(bounds: tuple, world_size: int, stripe: int, whole_max: int) -> int:
-    """Score entries between the pieces of documents cut over several ranks."""
-    tables, whole, _, _ = _place(bounds, world_size, stripe, whole_max)
+def _whole_pieces(bounds: tuple, tables: list, whole: list) -> list[list[tuple[int, int]]]:
+    """Per rank, ``(document, count)`` of the pieces of documents placed whole (or cut)."""
     whole = set(whole)
-    pieces: dict = {}
+    per_rank = []
     for t in tables:
+        rows = []
         for _, first, count, step in t.tolist():
             doc = bisect.bisect_right(bounds, first) - 1
             if step == 1 and doc in whole:
-                pieces.setdefault(doc, []).append(count)
+                rows.append((doc, count))
+        per_rank.append(rows)
+    return per_rank
+
+
+def _cross_entries(pieces: list) -> int:
+    """Score entries between the pieces of documents cut over several ranks."""
+    by_doc: dict = {}
+    for rows in pieces:
+        for doc, count in rows:
+            by_doc.setdefault(doc, []).append(count)
     total = 0
-    for counts in pieces.values():
+    for counts in by_doc.values():
         before = 0
         for c in counts:
             total += c * before
@@ -221,21 +231,15 @@ def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostMod
     causal call each on their rank; a striped document one piece per rank and ring step)."""
     model = COST_MODELS[model] if isinstance(model, str) else model
     bounds = tuple(bounds)
-    _, whole, striped, entries = _place(bounds, world_size, stripe, whole_max)
+    tables, whole, striped, entries = _place(bounds, world_size, stripe, whole_max)
+    pieces = _whole_pieces(bounds, tables, whole)
     lengths = _lengths(bounds)
     ideal = sum(_entries(n) for n in lengths) / world_size
     striped_share = sum(_entries(lengths[d]) for d in striped) / world_size
     # a document cut over ranks adds its cross blocks (piece x earlier pieces) to single steps of
     # single ranks: counted in full, as if they all fell on the slowest rank
-    balance = (max(entries) + _cross_entries(bounds, world_size, stripe, whole_max) + striped_share) / ideal
-    whole_ns = [0.0] * world_size
-    by_rank = {}
-    for r, t in enumerate(_place(bounds, world_size, stripe, whole_max)[0]):
-        for _, _, count, step in t.tolist():
-            if step == 1:
-                by_rank.setdefault(r, []).append(count)
-    for r, counts in by_rank.items():
-        whole_ns[r] = sum(model.call(c, c, True) for c in counts)
+    balance = (max(entries) + _cross_entries(pieces) + striped_share) / ideal
+    whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
     per_step = 0.0
     for d in striped:
         m = _piece(lengths[d], world_size, stripe)
