@@ -50,8 +50,10 @@ def _layout_names(text: str) -> list[str]:
     vals = [x for x in text.replace(";", " ").split() if x]
     if len(vals) == 1 and ":" not in vals[0]:
         vals = [x for x in vals[0].split(",") if x]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected some of {', '.join(LAYOUT_NAMES)}")
     try:
-        return [get_layout(v).key for v in vals] or _names(LAYOUT_NAMES)("")
+        return [get_layout(v).key for v in vals]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
