@@ -9,8 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .agreement import agree, check_ranks_enabled
-from .kernels import Kernel, accumulator_dtype, resolve_kernel
-from .kernels_torch import gqa_probe_enabled
+from .kernels import Kernel, accumulator_dtype, gqa_probe_enabled, resolve_kernel
 from .layouts import Layout, get_layout
 from .masks import MaskSpec, make_mask, ring_plans
 from .ring import Ring, ring_timeout

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import striped_sp.kernels as kernels
-import striped_sp.kernels_torch as kernels_torch
+import striped_sp.kernels.torch_sdpa as kernels_torch
 from aten_contracts import AtenShim, ContractError, TorchProxy, isclose_rel
 from ring_emulation import check_emulated
 from striped_sp.kernels import FlashAttnKernel, TorchKernel
@@ -509,7 +509,7 @@ def test_flash_attn_out_lse_swap_is_caught(flash_attn, monkeypatch):
     old = "out=out, softmax_lse=lse.contiguous()"
     assert src.count(old) == 1
     ns = {}
-    import striped_sp.kernels_flash_attn as fa_mod
+    import striped_sp.kernels.flash_attn_kernel as fa_mod
 
     exec(compile(src.replace(old, "out=lse.contiguous(), softmax_lse=out"), "<mutant>", "exec"), vars(fa_mod), ns)
     monkeypatch.setattr(FlashAttnKernel, "backward", ns["backward"])

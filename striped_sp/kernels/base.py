@@ -1,4 +1,4 @@
-"""Block attention kernels behind one small interface.
+"""The block-kernel interface every backend implements (the base module of :mod:`striped_sp.kernels`).
 
 Every kernel works on the core format ``[batch, seq, heads, head_dim]``; keys/values may have
 fewer heads (GQA/MQA: query head ``h`` uses kv head ``h // (heads // kv_heads)``).
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Kernel", "KERNELS", "accumulator_dtype", "available_backends", "resolve_kernel"]
+__all__ = ["Kernel", "accumulator_dtype"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -110,120 +110,11 @@ class Kernel:
         raise NotImplementedError(f"backend {self.name!r} has no masked attention call")
 
     def forward_varlen(self, q, k, v, segments, scale: float, acc_out, acc_lse) -> None:
-        from .varlen import varlen_forward
+        from ..varlen import varlen_forward
 
         varlen_forward(self, q, k, v, segments, scale, acc_out, acc_lse)
 
     def backward_varlen(self, dout, q, k, v, out, lse, segments, scale: float, dq, dk, dv) -> None:
-        from .varlen import varlen_backward
+        from ..varlen import varlen_backward
 
         varlen_backward(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
-
-
-class MathKernel(Kernel):
-    """Matmul reference, computed in float32 (float64 for float64 inputs).  Runs anywhere."""
-
-    name = "math"
-    native_value_head_dim = True  # einsums: v's head dim is free
-
-    def unavailable_reason(self, device, dtype, head_dim=None):
-        if dtype not in _FLOAT_DTYPES:
-            return f"dtype {dtype} is not one of {_FLOAT_DTYPES}"
-        return None
-
-    @staticmethod
-    def _scores(q, k, causal, scale, mask=None):
-        acc = accumulator_dtype(q.dtype)
-        kx = _expand_kv(k, q.size(2)).to(acc)
-        s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kx) * scale
-        if causal:
-            mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        return s, acc
-
-    def forward_masked(self, q, k, v, mask, scale):
-        return self.forward(q, k, v, False, scale, mask)
-
-    def backward_masked(self, dout, q, k, v, out, lse, mask, scale):
-        return self.backward(dout, q, k, v, out, lse, False, scale, mask)
-
-    def forward(self, q, k, v, causal, scale, mask=None):
-        s, acc = self._scores(q, k, causal, scale, mask)
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse.unsqueeze(-1))
-        out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.size(2)).to(acc))
-        return out.to(q.dtype), lse.contiguous()  # lse in accumulator_dtype
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
-        s, acc = self._scores(q, k, causal, scale, mask)
-        p = torch.exp(s - lse.to(acc).unsqueeze(-1))
-        do = dout.to(acc)
-        vx = _expand_kv(v, q.size(2)).to(acc)
-        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-        dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
-        delta = (do * out.to(acc)).sum(-1).transpose(1, 2)  # [b, h, q]
-        ds = p * (dp - delta.unsqueeze(-1))
-        dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k, q.size(2)).to(acc)) * scale
-        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc)) * scale
-        kvh = k.size(2)
-        return dq.to(q.dtype), _group_sum(dk, kvh).to(k.dtype), _group_sum(dv, kvh).to(v.dtype)
-
-
-from .kernels_flash_attn import FlashAttnKernel  # noqa: E402  (these subclass Kernel)
-from .kernels_torch import TorchKernel  # noqa: E402
-
-KERNELS: dict[str, Kernel] = {
-    k.name: k for k in (TorchKernel(), TorchKernel("cudnn"), FlashAttnKernel(), MathKernel())
-}
-BACKENDS = ("auto", *KERNELS)
-
-
-def available_backends(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> list[str]:
-    """Names of the kernels that run on ``device`` with ``dtype`` (and ``head_dim``)."""
-    return [n for n, k in KERNELS.items() if k.unavailable_reason(torch.device(device), dtype, head_dim) is None]
-
-
-_DETERMINISTIC_FLASH_ATTN = FlashAttnKernel(deterministic=True)
-
-
-def _deterministic_reason(name: str, device: torch.device) -> str | None:
-    """Why kernel ``name`` has no deterministic backward on ``device`` (``None``: it has one).
-    PyTorch's fused CUDA attention backward ops add into dq atomically."""
-    if device.type == "cuda" and name in ("torch", "torch_cudnn"):
-        return (f"backend {name!r} (PyTorch's fused CUDA attention ops) has no deterministic backward: "
-                "use backend 'flash_attn' (flash-attn's deterministic mode) or 'math'")
-    return None
-
-
-def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
-                   deterministic: bool = False) -> Kernel:
-    """The kernel for ``backend`` on ``device``/``dtype``/``head_dim``; ``ValueError`` when unknown or unusable.
-
-    ``auto`` picks flash-attn on CUDA when importable for fp16/bf16, else PyTorch's fused ops,
-    else the math reference.  ``deterministic``: bitwise-reproducible backward passes (the ring's
-    own order is fixed; on CUDA this needs flash-attn's deterministic mode or the math kernel).
-    """
-    device = torch.device(device)
-    if backend == "auto":
-        order = ("flash_attn", "torch", "math") if device.type == "cuda" else ("torch", "math")
-        for name in order:
-            if deterministic and _deterministic_reason(name, device) is not None:
-                continue
-            if KERNELS[name].unavailable_reason(device, dtype, head_dim) is None:
-                return _DETERMINISTIC_FLASH_ATTN if deterministic and name == "flash_attn" else KERNELS[name]
-        raise ValueError(f"no attention backend runs on device '{device}' with dtype {dtype}"
-                         + (" and a deterministic backward" if deterministic else ""))
-    if backend not in KERNELS:
-        raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
-    kernel = KERNELS[backend]
-    reason = kernel.unavailable_reason(device, dtype, head_dim)
-    if reason is not None:
-        raise ValueError(f"backend {backend!r} is not available: {reason}")
-    if deterministic:
-        reason = _deterministic_reason(backend, device)
-        if reason is not None:
-            raise ValueError(f"deterministic=True: {reason}")
-        if backend == "flash_attn":
-            return _DETERMINISTIC_FLASH_ATTN
-    return kernel
