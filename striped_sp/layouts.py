@@ -175,6 +175,12 @@ class Layout:
             return [BlockCall(_ALL, _ALL, False)]
         return self.causal_plan(rank, source, world_size, local_len)
 
+    def flattens_rows(self, local_len: int) -> bool:
+        """Whether the rows of a ``[b, local_len]`` shard are this layout's shard of the ``b`` rows laid
+        end to end (one packed row, the same rank for every token), so that a batch of rows with
+        documents runs as one flattened row.  No by default."""
+        return False
+
 
 class Contiguous(Layout):
     name = "contiguous"
@@ -277,8 +283,16 @@ class Striped(Layout):
         # would come back from fused kernels with lse = 0 instead of -inf).
         return [BlockCall(slice(1, None), slice(0, local_len - 1), True, strict=True)]
 
+    def flattens_rows(self, local_len):
+        # without document placement, and each row a whole number of stripes per rank: stripe g of
+        # row i is stripe i * S / s + g of the flat row, on the same rank
+        return not self.placed and local_len % self.stripe_size == 0
+
 
 LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (Striped, Zigzag, Contiguous)}
+#: the adapters' algorithm names (``--context-parallel-algo``, the DeepSpeed section's ``algo``,
+#: ``DistributedAttention(layout=)``) -> the layout they run: ``ring`` is ``contiguous``
+ALGOS: dict[str, str] = {"striped": "striped", "zigzag": "zigzag", "ring": "contiguous"}
 
 
 def _parse_params(text: str) -> dict:

@@ -26,14 +26,14 @@ import os
 from typing import Any, Mapping
 
 from ..kernels import BACKENDS
-from ..layouts import get_layout
+from ..layouts import ALGOS as LAYOUT_ALGOS, get_layout
 from ..placement import check_placement
 
 __all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config"]
 
 SECTION = "context_parallel"
-#: config ``algo`` -> core layout name
-ALGOS = {"striped": "striped", "zigzag": "zigzag", "ring": "contiguous"}
+#: config ``algo`` -> core layout name (the one table, :data:`striped_sp.layouts.ALGOS`)
+ALGOS = LAYOUT_ALGOS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..attention import ring_attention
 from ..kernels import BACKENDS
-from ..layouts import get_layout, positions
+from ..layouts import ALGOS, get_layout, positions
 from ..masks import check_window
 from .hf import hf_window
 
@@ -129,7 +129,7 @@ class DistributedAttention(torch.nn.Module):
         if window is not None:
             self.window_size = window
         if layout is not None:
-            layout = {"ring": "contiguous"}.get(layout, layout)
+            layout = ALGOS.get(layout, layout)
             get_layout(layout)
             self.layout = layout
         if backend is not None:

@@ -9,18 +9,13 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-from ..layouts import get_layout
+from ..layouts import ALGOS as LAYOUT_ALGOS, get_layout
 from ..placement import check_placement
 from ..ring import set_ring_timeout
 
 
 #: algo name -> this project's layout (``None``: Megatron/Transformer Engine's own path).
-ALGOS: dict[str, Optional[str]] = {
-    "native": None,
-    "striped": "striped",
-    "zigzag": "zigzag",
-    "ring": "contiguous",
-}
+ALGOS: dict[str, Optional[str]] = {"native": None, **LAYOUT_ALGOS}
 DEFAULT_ALGO = "native"
 
 

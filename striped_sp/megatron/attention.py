@@ -250,12 +250,9 @@ class ContextParallelAttention(MegatronModule):
         return out.reshape(out.size(0), out.size(1), -1)
 
     def _flattens(self, local_len: int) -> bool:
-        """Whether the rows of a ``[b, local_len]`` shard run as one flattened row: striped without
-        document placement, each row a whole number of stripes per rank (``local_len`` a multiple of
-        the stripe size), so that stripe ``g`` of row ``i`` is stripe ``i * S / s + g`` of the flat row
-        and lands on the same rank."""
-        lay = self._layout
-        return lay.name == "striped" and not lay.placed and local_len % lay.stripe_size == 0
+        """Whether the rows of a ``[b, local_len]`` shard run as one flattened row
+        (:meth:`striped_sp.layouts.Layout.flattens_rows`)."""
+        return self._layout.flattens_rows(local_len)
 
     def _ring(self, q, k, v, causal: bool, cu_seqlens):
         return ring_attention(
