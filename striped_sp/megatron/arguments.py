@@ -92,17 +92,22 @@ def algo_of(args) -> str:
     return get_layout(algo, stripe if stripe != 1 else None, place if place != "split" else None).key
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser):
     """Add ``--context-parallel-algo``, ``--striped-stripe-size``, ``--striped-doc-placement`` and
     ``--context-parallel-timeout-s`` to ``parser`` (those it lacks) and return it.
 
+    ``parser`` is an ``argparse.ArgumentParser`` (the flags go into a group of their own) or an
+    argument group, into which they go directly: the Megatron-LM patches call it with the group of
+    Megatron's distributed arguments, so a patched checkout knows every flag of this route too.
     Usable as Megatron's ``extra_args_provider``; see :func:`chain_providers` to combine it
     with another provider.  Adding it twice is a no-op.
     """
-    known = {o for a in parser._actions for o in a.option_strings}
+    known = {o for a in parser._actions for o in a.option_strings}  # a group shares its parser's
     if {"--context-parallel-algo", "--striped-stripe-size"} <= known:
         return parser
-    group = parser.add_argument_group(title="striped_sp context parallelism")
+    group = parser
+    if isinstance(parser, argparse.ArgumentParser):
+        group = parser.add_argument_group(title="striped_sp context parallelism")
     add = lambda flag, **kw: None if flag in known else group.add_argument(flag, **kw)  # noqa: E731
     add(
         "--context-parallel-algo",
