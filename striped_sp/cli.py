@@ -19,179 +19,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-LAYOUT_NAMES = ("striped", "zigzag", "contiguous")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected integers separated by commas") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
-    return vals
-
-
-def _names(choices):
-    def parse(text: str) -> list[str]:
-        vals = [x for x in text.replace(",", " ").split() if x]
-        bad = [v for v in vals if v not in choices]
-        if bad or not vals:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected some of {', '.join(choices)}")
-        return vals
-    return parse
-
-
-def _layout_names(text: str) -> list[str]:
-    """Layout names, parameters included (``striped:stripe=128,place=auto``), separated by spaces
-    or ``;`` (a comma also separates plain names)."""
-    from .layouts import get_layout
-
-    vals = [x for x in text.replace(";", " ").split() if x]
-    if len(vals) == 1 and ":" not in vals[0]:
-        vals = [x for x in vals[0].split(",") if x]
-    if not vals:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected some of {', '.join(LAYOUT_NAMES)}")
-    try:
-        return [get_layout(v).key for v in vals]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _docs_spec(text: str) -> str:
-    from .bench.docs import parse_docs
-
-    try:
-        parse_docs(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _window(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        val = -1
-    if val < 0:
-        raise argparse.ArgumentTypeError(f"--window {text!r}: expected a left window >= 0 (0: none)")
-    return val
-
-
-def _masks(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=_docs_spec, default=None, metavar="SPEC",
-                   help="packed documents: lognormal:median=1024,sigma=1.2 | long | fixed:L (seeded); "
-                        "zigzag pads every document to a multiple of 2N")
-    p.add_argument("--window", type=_window, default=0, metavar="W",
-                   help="sliding window: a query sees the W keys before it (window_size=(W, 0)); 0: none")
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and appends ``(default: X)`` to every option whose help
-    does not state its default already (lists shown comma-separated; None / False not shown)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        d = action.default
-        if (not action.option_strings or d is None or d is False or d is argparse.SUPPRESS or d == []
-                or "default" in text.lower()):
-            return text
-        shown = ",".join(map(str, d)) if isinstance(d, (list, tuple)) else str(d)
-        return f"{text} (default: {shown.replace('%', '%%')})"
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
-    p.add_argument("--plot", metavar="PATH",
-                   help="write a PNG plot (needs matplotlib, the bench extra: checked before the work starts)")
-    p.add_argument("--layouts", type=_layout_names, default=list(LAYOUT_NAMES),
-                   help="layouts separated by spaces or ';', some of " + ", ".join(LAYOUT_NAMES)
-                   + "; striped takes parameters: 'striped:stripe=128', 'striped:place=auto', "
-                   "'striped:stripe=64,place=512'")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-def _shape(p: argparse.ArgumentParser, heads: int) -> None:
-    p.add_argument("--batch", type=int, default=1, help="sequences per batch")
-    p.add_argument("--heads", type=int, default=heads, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA/MQA); default: --heads (MHA)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dimension")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16; auto: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--backend", default="auto", help="kernel backend of ring_attention (auto: the best available)")
-
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="striped-sp", description=__doc__, formatter_class=_Formatter)
+    from .bench import hier, precision
+    from .bench.cli_args import Formatter, add_balance, add_run, add_sim
+
+    p = argparse.ArgumentParser(prog="striped-sp", description=__doc__, formatter_class=Formatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{bench,patch}")
     bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision",
                            description="Benchmarks and models; `striped-sp bench MODE --help` for a mode's options.")
     modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision}")
-
-    b = modes.add_parser("balance", help="work model: critical path over ideal per layout and N",
-                         description="The work model (no kernels run): attention score entries per ring step;\n"
-                                     "each layout's critical path over the ideal, per ring size N.")
-    _common(b)
-    b.add_argument("--world-sizes", type=_ints, default=[2, 4, 8, 16, 32, 64], help="ring sizes N to sweep")
-    b.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens per rank")
-    _masks(b)
-
-    s = modes.add_parser("sim", help="N ranks simulated on one device with the real kernels",
-                         description="N ranks simulated on one device with the real kernels: every distinct\n"
-                                     "(rank, step) block plan timed, the critical path summed over the ring steps.")
-    _common(s)
-    _shape(s, heads=4)
-    s.add_argument("--world-sizes", type=_ints, default=[8], help="ring sizes N to sweep")
-    g = s.add_mutually_exclusive_group()
-    g.add_argument("--seq-lens", type=_ints, help="global sequence lengths to sweep")
-    g.add_argument("--tokens-per-rank", type=_ints,
-                   help="tokens per rank to sweep (seq = tokens * N); default 4096 when --seq-lens is not given")
-    s.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
-    s.add_argument("--reps", type=int, default=3, help="timed repetitions per distinct block plan (median)")
-    s.add_argument("--link-gbps", type=float, default=None,
-                   help="ring link bandwidth in GB/s: a step lasts max(compute, transfer)")
-    s.add_argument("--every-block", action="store_true",
-                   help="time every (rank, step) block separately instead of once per distinct plan")
-    s.add_argument("--no-reference", action="store_true",
-                   help="skip the single-device full causal run (efficiency left empty)")
-    s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")
-    s.add_argument("--plot-pass", default="fwd+bwd", choices=["forward", "backward", "fwd+bwd"],
-                   help="the pass the --plot shows")
-    s.add_argument("--strict-block", choices=["sliced", "aligned"], default=None,
-                   help="the striped strict block's form (default: the kernel's; aligned needs a bottom-right causal kernel)")
-    s.add_argument("--tensor-format", choices=["native", "bshd"], default="native",
-                   help="native: the kernel's own memory format (as the ring); bshd: through its [b, s, h, d] API")
-    _masks(s)
-
-    r = modes.add_parser("run", help="real multi-process run with the peers",
-                         description="A real multi-process run (gloo on CPU, NCCL on CUDA): fwd+bwd of each\n"
-                                     "layout and peer, median over iterations of the slowest rank.")
-    _common(r)
-    _shape(r, heads=4)
-    r.add_argument("--world-size", type=int, default=2, help="ranks N (processes)")
-    g = r.add_mutually_exclusive_group()
-    g.add_argument("--seq-lens", type=_ints, help="global sequence lengths to sweep")
-    g.add_argument("--tokens-per-rank", type=_ints, help="tokens per rank to sweep (default 4096)")
-    r.add_argument("--peers", default="torch_ring,ulysses",
-                   help="comma-separated peers (torch_ring, ulysses) or 'none'")
-    r.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when there are N GPUs)")
-    r.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
-    r.add_argument("--iters", type=int, default=7, help="timed fwd+bwd iterations (median)")
-    r.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default cores // N)")
-    r.add_argument("--no-pin", action="store_true", help="CPU: do not pin each rank to its own core(s)")
-    r.add_argument("--profile", action="store_true",
-                   help="also time kernel, merge and ring waits inside our layouts, per rank")
-    r.add_argument("--ulysses-sizes", type=_ints, default=[],
-                   help="also run each layout as hierarchical CP with these ulysses_size values (e.g. 2)")
-    r.add_argument("--force-peers", action="store_true",
-                   help="run torch_ring even on a torch version it is not pinned to")
-    _masks(r)
-    from .bench import hier, precision
-
+    add_balance(modes)
+    add_sim(modes)
+    add_run(modes)
     hier.register(modes)
     precision.register(modes)
     _patch_parser(sub)
     for parser in (p, bench, *modes.choices.values(), *sub.choices.values()):
-        parser.formatter_class = _Formatter
+        parser.formatter_class = Formatter
     return p
 
 
@@ -227,7 +72,7 @@ def _seq_lens(args, world_sizes, default_tpr):
 
 
 def _masked_balance(args) -> int:
-    from .bench.report import format_table, plot_balance, write_json
+    from .bench.report import format_table, plan_lines, plot_balance, write_json
     from .bench.work import masked_balance_records
 
     from .bench.sim import Bar
@@ -246,6 +91,10 @@ def _masked_balance(args) -> int:
           "unpadded row / N\n(zigzag: every document padded to a multiple of 2N, Transformer Engine's rule)\n")
     print(format_table(recs, [("layout", "layout"), ("world_size", "N"), ("documents", "documents"),
                               ("padding_tokens", "padding"), ("critical_path_over_ideal", "critical/ideal")]))
+    lines = plan_lines(recs, None, "")
+    if lines:
+        print("\n(cost model forward per head; plan balance: the model's critical path over ideal)\n"
+              + "\n".join(lines))
     if args.json:
         write_json(args.json, recs)
     if args.plot:
@@ -257,8 +106,10 @@ def _balance(args) -> int:
     from .bench.report import format_table, plot_balance, write_json
     from .bench.work import balance_records
 
-    if args.docs or args.window:
-        return _masked_balance(args)
+    from .layouts import get_layout
+
+    if args.docs or args.window or not all(get_layout(lay).dense_plans for lay in args.layouts):
+        return _masked_balance(args)  # stripes of s > 1 have the engine's masked plans only
 
     recs = balance_records(args.layouts, args.world_sizes, args.tokens_per_rank)
     rows = []
@@ -282,6 +133,10 @@ def _sim(args) -> int:
     from .bench.report import format_table, plot_speedup, write_json
     from .bench.sim import SimConfig, simulate, work_speedup
 
+    if args.global_every:  # before any work
+        from .bench.mixed import check_global_every
+
+        check_global_every(args.global_every, args.window)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     if args.docs or args.window:
@@ -322,7 +177,7 @@ def _sim(args) -> int:
 
 
 def _masked_sim(args, device, dtype) -> int:
-    from .bench.report import format_table, plot_masked_sim, write_json
+    from .bench.report import format_table, plan_lines, plot_masked_sim, write_json
     from .bench.sim import SimConfig
     from .bench.sim_masked import simulate_masked
 
@@ -340,7 +195,12 @@ def _masked_sim(args, device, dtype) -> int:
                     backend=args.backend, reps=args.reps, link_gbps=args.link_gbps, reference=not args.no_reference,
                     progress=not args.no_progress, threads=args.threads)
     load0 = _load()
-    recs = simulate_masked(cfg, tprs, args.docs, args.window)
+    if args.global_every:
+        from .bench.mixed import simulate_mixed
+
+        recs = simulate_mixed(cfg, tprs, args.docs, args.window, args.global_every)
+    else:
+        recs = simulate_masked(cfg, tprs, args.docs, args.window)
     kvh = args.kv_heads or args.heads
     print(f"sim: {device.type} ({_device_name(device)}), {dtype}, batch 1, {args.heads} heads / {kvh} kv heads x "
           f"{args.head_dim}, documents {args.docs or 'one per row'}, window {args.window or 'none'}, "
@@ -349,17 +209,22 @@ def _masked_sim(args, device, dtype) -> int:
              else "clock: wall time, device synchronised\n") +
           "every (rank, step) timed (median of --reps); critical path = sum over steps of the slowest rank;\n"
           "zigzag pads every document to a multiple of 2N; efficiency = (one device, whole row) / N / critical\n")
-    print(format_table(recs, [("layout", "layout"), ("world_size", "N"), ("tokens_per_rank", "tokens/rank"),
-                              ("documents", "docs"), ("padding_tokens", "padding"), ("pass", "pass"),
-                              ("critical_path_ms", "critical ms"), ("speedup_vs_contiguous", "vs contiguous"),
-                              ("speedup_vs_zigzag", "vs zigzag"), ("efficiency", "efficiency")]))
-    for r in recs:
-        if "plan" in r and r["pass"] == "forward":
-            pred = r["predicted_forward_ms"]
-            pred = "not predicted (the cost model knows no windows)" if pred is None else \
-                f"predicted {pred:.1f} ms (cost model 'cpu')"
-            print(f"plan {r['layout']} N={r['world_size']}: {r['plan']}; forward {pred}, "
-                  f"measured {r['measured_forward_ms']:.1f} ms")
+    cols = [("layout", "layout"), ("world_size", "N"), ("tokens_per_rank", "tokens/rank"), ("documents", "docs"),
+            ("padding_tokens", "padding"), ("pass", "pass"), ("critical_path_ms", "critical ms"),
+            ("speedup_vs_contiguous", "vs contiguous"), ("speedup_vs_zigzag", "vs zigzag"), ("efficiency", "efficiency")]
+    if args.global_every:
+        from .bench.mixed import MIXED_COLUMNS
+
+        print(f"mixed model: blocks of K layers = (K-1) layers with window {args.window} + 1 global causal layer; "
+              "block ms = (K-1) x window layer + global layer (critical paths); speedups of the block time\n")
+        cols = cols[:5] + MIXED_COLUMNS[:1] + cols[5:6] + MIXED_COLUMNS[1:] + cols[7:9]
+    print(format_table(recs, cols))
+    first = [r for r in recs if r["pass"] == "forward" and r.get("global_every", 0) == (args.global_every or [0])[0]]
+    if args.global_every:  # the cost model predicts the global layer (it knows no windows)
+        first = [{**r, "predicted_forward_ms": r.get("global_predicted_forward_ms"),
+                  "measured_forward_ms": r.get("global_measured_forward_ms")} for r in first]
+    print("\n".join(plan_lines(first, "measured_forward_ms",
+                               "global layer forward" if args.global_every else "forward")))
     if args.json:
         write_json(args.json, recs)
     if args.plot:
@@ -391,11 +256,32 @@ def _device_name(device) -> str:
     return f"{os.cpu_count()} cores, torch {torch.__version__}"
 
 
+def _run_blocks(args, recs) -> list[dict]:
+    """``bench run --global-every``: the model-block records (:func:`.bench.mixed.combine_layers`), printed."""
+    from .bench.mixed import MIXED_COLUMNS, combine_layers
+    from .bench.report import format_table
+    from .bench.run import GLOBAL_SUFFIX
+
+    window = [r for r in recs if r["impl"] in args.layouts]
+    glob = [{**r, "impl": r["impl"][:-len(GLOBAL_SUFFIX)]} for r in recs if r["impl"].endswith(GLOBAL_SUFFIX)]
+    blocks = combine_layers(window, glob, args.global_every, "median_ms", who="impl")
+    print(f"\nmixed model: blocks of K layers = (K-1) layers with window {args.window} + 1 global causal layer "
+          f"(the '{GLOBAL_SUFFIX}' lines); block ms = (K-1) x window layer + global layer (medians)\n")
+    print(format_table(blocks, [("impl", "impl"), ("world_size", "N"), ("seq_len", "seq_len"), *MIXED_COLUMNS,
+                                ("speedup_vs_contiguous", "vs contiguous"), ("speedup_vs_zigzag", "vs zigzag")]))
+    return blocks
+
+
 def _run(args) -> int:
-    from .bench.report import format_table, plot_speedup, write_json
+    from .bench.report import format_table, plan_lines, plot_speedup, write_json
+    from .bench.cli_args import names
     from .bench.run import RunConfig, run
 
-    peers = () if args.peers.strip() in ("", "none") else tuple(_names(("torch_ring", "ulysses"))(args.peers))
+    peers = () if args.peers.strip() in ("", "none") else tuple(names(("torch_ring", "ulysses"))(args.peers))
+    if args.global_every:  # before any work
+        from .bench.mixed import check_global_every
+
+        check_global_every(args.global_every, args.window)
     if "contiguous" not in args.layouts:
         args.layouts.append("contiguous")
     seqs = tuple(s for _, s in _seq_lens(args, [args.world_size], 4096))
@@ -404,7 +290,8 @@ def _run(args) -> int:
                     dtype=args.dtype, device=args.device, backend=args.backend, warmup=args.warmup,
                     iters=args.iters, threads=args.threads, profile=args.profile, pin=not args.no_pin,
                     progress=not args.no_progress, force_peers=args.force_peers, docs=args.docs,
-                    window=args.window, ulysses_sizes=tuple(u for u in args.ulysses_sizes if u > 1))
+                    window=args.window, ulysses_sizes=tuple(u for u in args.ulysses_sizes if u > 1),
+                    global_every=tuple(args.global_every or ()))
     load0 = _load()
     recs, notes, profile = run(cfg)
     import torch
@@ -419,6 +306,9 @@ def _run(args) -> int:
     print(format_table(rows, [("impl", "impl"), ("world_size", "N"), ("seq_len", "seq_len"), ("tpr", "tokens/rank"),
                               ("median_ms", "median ms"), ("speedup_vs_contiguous", "vs contiguous"),
                               ("peak_mib", "peak MiB/rank"), ("note", "note")]))
+    print("\n".join(plan_lines(recs, "median_ms", "fwd+bwd")))
+    if args.global_every:
+        recs = recs + _run_blocks(args, recs)
     if profile:
         print("\nwhere the time goes (ms per iteration, median; 'other' = total - kernel - merge - wait):")
         prow = []

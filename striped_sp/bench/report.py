@@ -6,7 +6,43 @@ import json
 import math
 from typing import Sequence
 
-__all__ = ["format_table", "write_json", "check_plotting", "plot_speedup", "plot_balance", "plot_masked_sim"]
+__all__ = ["format_table", "write_json", "check_plotting", "plot_speedup", "plot_balance", "plot_masked_sim",
+           "plan_report", "plan_lines"]
+
+
+def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int) -> dict:
+    """For a striped layout with a stripe size or a document placement, the fields every bench
+    mode adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.placement.describe`),
+    ``plan_balance`` (the model's critical path over ideal) and ``predicted_forward_ms`` (the cost
+    model ``"cpu"``: forward critical path of all ``heads``; ``None`` for a windowed row, since the
+    model knows documents, not windows).  ``{}`` for every other layout."""
+    from ..layouts import get_layout
+    from ..placement import describe
+
+    lay = get_layout(layout)
+    if lay.name != "striped" or lay.key == "striped":
+        return {}
+    d = describe(tuple(bounds), world_size, lay.stripe_size, lay.doc_placement)
+    return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}",
+            "plan_balance": d["balance"],
+            "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * heads}
+
+
+def plan_lines(recs: Sequence[dict], measured_key: str | None, measured_what: str) -> list[str]:
+    """One line per record with a ``plan`` (see :func:`plan_report`): the plan, the predicted forward
+    time and the measured ``recs[measured_key]`` (``measured_what`` names it: "forward", "fwd+bwd")."""
+    lines = []
+    for r in recs:
+        if "plan" not in r:
+            continue
+        pred = r.get("predicted_forward_ms")
+        pred = ("not predicted (the cost model knows no windows)" if pred is None
+                else f"predicted {pred:.1f} ms (cost model 'cpu', balance {r['plan_balance']:.4f})")
+        who = r.get("layout", r.get("impl"))
+        meas = "" if measured_key is None or r.get(measured_key) is None else \
+            f"; measured {measured_what} {r[measured_key]:.1f} ms"
+        lines.append(f"plan {who} N={r['world_size']}: {r['plan']}; forward {pred}{meas}")
+    return lines
 
 
 def check_plotting() -> None:

@@ -45,9 +45,14 @@ from ..layouts import get_layout
 from .common import median, pick_dtype, progress, sync
 from .docs import workload
 from .memory import MemoryPeak, tensor_bytes
+from .mixed import check_global_every
+from .report import plan_report
 from .peers import PEERS, PeerSkip
 
-__all__ = ["RunConfig", "run"]
+__all__ = ["RunConfig", "run", "GLOBAL_SUFFIX"]
+
+#: with ``global_every``, the impl name of a layout's global (unwindowed) layer: ``"zigzag|global"``
+GLOBAL_SUFFIX = "|global"
 
 
 @dataclasses.dataclass
@@ -76,6 +81,7 @@ class RunConfig:
     ulysses_sizes: tuple = ()  # hierarchical CP: also run each layout with these ulysses_size values
     memory: bool = True  # peak memory per rank, measured on each implementation's first iteration
     reference: bool = True  # the sdpa_1proc line: one process, fused SDPA on the whole sequence
+    global_every: tuple = ()  # with a window: also time each layout's global layer ("LAYOUT|global", .mixed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +211,11 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                         notes[(seq, lay)] = f"{work.padding_tokens} padding tokens"
                 impls[lay] = (lambda a, b, c, lay=lay, kw=mask_kw: ring_attention(
                     a, b, c, group, layout=lay, backend=cfg.backend, **kw), lay)
+                if cfg.global_every:  # the global layer of a mixed model: the same row, no window
+                    name, kw = f"{lay}{GLOBAL_SUFFIX}", {**mask_kw, "window_size": None}
+                    inputs[name], padding[name] = inputs[lay], padding.get(lay, 0)
+                    impls[name] = (lambda a, b, c, lay=lay, kw=kw: ring_attention(
+                        a, b, c, group, layout=lay, backend=cfg.backend, **kw), lay)
                 for u in cfg.ulysses_sizes:  # Ulysses over groups of u ranks, the ring across them
                     inputs[f"{lay}+u{u}"] = inputs[lay]
                     impls[f"{lay}+u{u}"] = (lambda a, b, c, lay=lay, kw=mask_kw, u=u: ring_attention(
@@ -354,7 +365,10 @@ def run(cfg: RunConfig):
     """Spawn the ranks; returns (records, notes, profile rows).
 
     ``records``: ``{"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
-    "padding_tokens", "peak_mib"}`` (``peak_mib``: the largest rank's peak, module docstring);
+    "padding_tokens", "peak_mib"}`` (``peak_mib``: the largest rank's peak, module docstring), and for a
+    striped layout with parameters ``plan``, ``plan_balance``, ``predicted_forward_ms``
+    (:func:`.report.plan_report`); with ``global_every`` also the records of ``LAYOUT|global``
+    (the same row without the window) for :func:`.mixed.combine_layers`;
     ``notes``: ``{(seq_len, impl): text}``; ``profile``: per (impl, seq_len, rank) milliseconds.
     """
     if cfg.device == "auto":
@@ -373,6 +387,10 @@ def run(cfg: RunConfig):
     for seq in cfg.seq_lens:
         for lay in cfg.layouts:
             get_layout(lay).check_seq_len(seq, cfg.world_size)
+    if cfg.global_every:
+        check_global_every(list(cfg.global_every), cfg.window)
+        if cfg.ulysses_sizes or cfg.profile:
+            raise ValueError("global_every (--global-every) combines with neither ulysses_sizes nor profile")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -398,5 +416,11 @@ def run(cfg: RunConfig):
     if errors:
         raise RuntimeError("bench run failed:\n" + "\n".join(errors))
     records, notes, _ = got[0]
+    for r in records:  # the placement each striped layout with parameters chose, and its prediction
+        if r["impl"].split(GLOBAL_SUFFIX)[0] in cfg.layouts:
+            tpr = r["seq_len"] // cfg.world_size
+            bounds = workload("striped", cfg.world_size, tpr, cfg.docs, None).mask.bounds
+            windowed = bool(cfg.window) and not r["impl"].endswith(GLOBAL_SUFFIX)
+            r.update(plan_report(r["impl"].split(GLOBAL_SUFFIX)[0], bounds, cfg.world_size, windowed, cfg.heads))
     profile = [row for r in sorted(got) for row in got[r][2]]
     return records, {tuple((int(k.split("|")[0]), k.split("|")[1])): v for k, v in notes.items()}, profile

@@ -5,7 +5,8 @@ The masked counterpart of :mod:`.sim`: every layout gets its own view of one pac
 step) runs exactly what :class:`striped_sp.attention._RingAttention` runs there: the block plan's
 varlen calls (gather, ``kernel.forward_varlen``, the fp32 merge) and in backward
 ``kernel.backward_varlen`` with the dQ / dK / dV accumulation.  Plans differ from rank to rank,
-so every (rank, step) is timed; a step lasts as long as its slowest rank (or the transfer, when a
+so every distinct (rank, step) plan is timed (identical ones, frequent in a row of one document,
+once); a step lasts as long as its slowest rank (or the transfer, when a
 link bandwidth is given).  The single-device baseline runs the whole row as one varlen call.
 """
 
@@ -18,6 +19,7 @@ from ..kernels import resolve_kernel
 from ..layouts import get_layout
 from ..masks import block_plan, make_mask
 from .common import clock_for, progress
+from .report import plan_report
 from .docs import workload
 from .sim import PASSES, Bar, SimConfig, _critical_path, _time_plans, reference_calls, time_reference, timed_calls
 
@@ -91,8 +93,9 @@ def simulate_masked(cfg: SimConfig, tokens_per_rank: list[int], docs: str | None
             for t in range(n_ranks):
                 row = []
                 for r in range(n_ranks):
-                    key = (lay, r, t)
-                    plans[key] = (block_plan(layout, work.mask, n_ranks, r, (r - t) % n_ranks), t == 0)
+                    calls = block_plan(layout, work.mask, n_ranks, r, (r - t) % n_ranks)
+                    key = (lay, _plan_signature(calls))  # identical rank-steps are timed once
+                    plans[key] = (calls, False)  # the masked forward has no "first step" form
                     row.append(key)
                 keys.append(row)
             inputs = _MaskedInputs(cfg, work.local_len, gen)
@@ -123,22 +126,20 @@ def simulate_masked(cfg: SimConfig, tokens_per_rank: list[int], docs: str | None
                     "speedup_vs_contiguous": base[0][p] / c if base else None,
                     "speedup_vs_zigzag": zig[0][p] / c if zig else None,
                     "efficiency": ref[p] / n_ranks / c if ref else None,
-                    **_plan_report(lay, work, cfg, crit),
+                    **_plan_fields(lay, work, cfg, crit),
                 })
     return records
 
 
-def _plan_report(lay: str, work, cfg: SimConfig, crit: dict) -> dict:
-    """For a striped layout with a stripe size or a document placement: the placement chosen
-    (``striped_sp.placement.describe``) and the cost model's forward time beside the measured one."""
-    layout = get_layout(lay)
-    if layout.name != "striped" or layout.key == "striped":
-        return {}
-    from ..placement import describe
+def _plan_fields(lay: str, work, cfg: SimConfig, crit: dict) -> dict:
+    """:func:`.report.plan_report` and, beside its prediction, the measured forward critical path."""
+    fields = plan_report(lay, work.mask.bounds, work.world_size, work.mask.left >= 0, cfg.heads)
+    return {**fields, "measured_forward_ms": crit["forward"] * 1e3} if fields else {}
 
-    d = describe(work.mask.bounds, work.world_size, layout.stripe_size, layout.doc_placement)
-    # the cost model knows documents, not windows: no prediction for a windowed row
-    windowed = work.mask.left >= 0
-    return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}",
-            "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * cfg.heads,
-            "measured_forward_ms": crit["forward"] * 1e3}
+
+def _plan_signature(calls) -> tuple:
+    """What a (rank, step) runs, as a hashable value: the segments of every call (shapes, starts,
+    windows).  Two rank-steps with the same signature run the same kernel calls on the same local
+    rows, so one timing serves both."""
+    return tuple(tuple(tuple(t.tolist()) for t in (c.segments.cu_q, c.segments.cu_k, c.segments.wl, c.segments.wr,
+                                                   c.segments.q_start, c.segments.k_start)) for c in calls)

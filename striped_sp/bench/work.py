@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..layouts import get_layout
 from ..masks import block_plan
 from .docs import workload
+from .report import plan_report
 
 __all__ = ["step_entries", "masked_step_entries", "score_entries", "critical_path_over_ideal",
            "balance_records", "masked_balance_records"]
@@ -66,7 +67,8 @@ def masked_step_entries(work) -> list[list[int]]:
 def masked_balance_records(layouts, world_sizes, tokens_per_rank: int, docs: str | None,
                            window: int | None, seed: int = 0) -> list[dict]:
     """JSON records with ``docs``, ``window``, ``padding_tokens`` and ``critical_path_over_ideal``
-    (ideal = visible score entries of the unpadded row / N)."""
+    (ideal = visible score entries of the unpadded row / N); a striped layout with parameters adds
+    :func:`.report.plan_report`'s ``plan``, ``plan_balance`` and ``predicted_forward_ms`` (per head)."""
     records = []
     for n in world_sizes:
         for lay in layouts:
@@ -77,5 +79,8 @@ def masked_balance_records(layouts, world_sizes, tokens_per_rank: int, docs: str
                 "layout": lay, "world_size": n, "tokens_per_rank": tokens_per_rank, "docs": docs,
                 "window": window or 0, "padding_tokens": work.padding_tokens,
                 "documents": len(work.mask.bounds) - 1, "critical_path_over_ideal": critical / work.ideal_entries,
+                # a striped layout with parameters: the placement chosen and the cost model's forward per head
+                **plan_report(lay, workload("striped", n, tokens_per_rank, docs, None).mask.bounds, n,
+                              bool(window), 1),
             })
     return records

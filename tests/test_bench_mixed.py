@@ -1,0 +1,137 @@
+"""Mixed local/global models in the benchmark (``--global-every K``) and the plan report of striped
+layouts with parameters in balance / sim / run records (speed never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from striped_sp.bench import mixed, sim_masked
+from striped_sp.bench.docs import workload
+from striped_sp.bench.mixed import check_global_every, combine_layers
+from striped_sp.bench.sim_masked import _plan_signature
+from striped_sp.cli import main
+from striped_sp.layouts import get_layout
+from striped_sp.masks import block_plan
+
+
+def _rec(layout, ms, p="fwd+bwd", **kw):
+    return {"layout": layout, "world_size": 4, "seq_len": 256, "pass": p, "critical_path_ms": ms, **kw}
+
+
+def test_combine_layers_block_time_and_speedups():
+    window = [_rec("striped", 3.0, plan="x"), _rec("zigzag", 5.0), _rec("contiguous", 2.0)]
+    glob = [_rec("striped", 7.0, predicted_forward_ms=1.5), _rec("zigzag", 11.0), _rec("contiguous", 13.0)]
+    recs = combine_layers(window, glob, [1, 2, 6], "critical_path_ms")
+    assert len(recs) == 9
+    expect = {"striped": (3.0, 7.0), "zigzag": (5.0, 11.0), "contiguous": (2.0, 13.0)}
+    for r in recs:
+        k, (w, g) = r["global_every"], expect[r["layout"]]
+        block = (k - 1) * w + g  # K-1 window layers and one global layer
+        assert r["block_ms"] == pytest.approx(block) and r["critical_path_ms"] == pytest.approx(block)
+        assert r["window_layer_ms"] == w and r["global_layer_ms"] == g
+        assert r["window_share"] == pytest.approx((k - 1) * w / block)
+        zig = (k - 1) * 5.0 + 11.0
+        con = (k - 1) * 2.0 + 13.0
+        assert r["speedup_vs_zigzag"] == pytest.approx(zig / block)
+        assert r["speedup_vs_contiguous"] == pytest.approx(con / block)
+    striped6 = next(r for r in recs if r["layout"] == "striped" and r["global_every"] == 6)
+    assert striped6["plan"] == "x" and striped6["global_predicted_forward_ms"] == 1.5
+    with pytest.raises(ValueError, match="no global-layer record"):
+        combine_layers(window, glob[:2], [2], "critical_path_ms")
+
+
+@pytest.mark.parametrize("ks, window", [([0], 8), ([-2], 8), ([2, 0], 8), ([True], 8), ([], 8), ([2], 0),
+                                        ([2], None)])
+def test_check_global_every_refuses(ks, window):
+    with pytest.raises(ValueError, match="--global-every"):
+        check_global_every(ks, window)
+
+
+def test_cli_refuses_bad_global_every_before_work(monkeypatch, capsys):
+    def boom(*a, **kw):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(sim_masked, "simulate_masked", boom)
+    monkeypatch.setattr(mixed, "simulate_mixed", boom)
+    base = ["bench", "sim", "--world-sizes", "2", "--tokens-per-rank", "16", "--device", "cpu", "--no-progress"]
+    for extra, msg in ((["--window", "4", "--global-every", "0"], "positive"),
+                       (["--global-every", "2"], "needs --window"),
+                       (["--docs", "fixed:4", "--global-every", "3"], "needs --window")):
+        with pytest.raises(SystemExit) as e:
+            main(base + extra)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "run", "--world-size", "2", "--tokens-per-rank", "16", "--device", "cpu", "--peers", "none",
+              "--no-progress", "--global-every", "2"])
+    assert e.value.code == 2 and "needs --window" in capsys.readouterr().err
+
+
+def test_sim_global_every_records(tmp_path, capsys):
+    path = tmp_path / "m.json"
+    assert main(["bench", "sim", "--world-sizes", "2", "--tokens-per-rank", "48", "--heads", "2", "--head-dim", "8",
+                 "--reps", "1", "--window", "12", "--global-every", "2,5", "--device", "cpu", "--no-progress",
+                 "--layouts", "striped;striped:stripe=8;zigzag;contiguous", "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    assert len(recs) == 2 * 3 * 4  # K x pass x layout
+    for r in recs:
+        k = r["global_every"]
+        assert r["window"] == 12 and r["window_layer_ms"] > 0 and r["global_layer_ms"] > 0
+        assert r["block_ms"] == pytest.approx((k - 1) * r["window_layer_ms"] + r["global_layer_ms"])
+        assert r["speedup_vs_zigzag"] > 0 and r["speedup_vs_contiguous"] > 0
+    # the two layer timings are shared by every K
+    for lay in ("striped", "striped:stripe=8", "zigzag", "contiguous"):
+        two, five = (next(r for r in recs if r["layout"] == lay and r["global_every"] == k and r["pass"] == "forward")
+                     for k in (2, 5))
+        assert (two["window_layer_ms"], two["global_layer_ms"]) == (five["window_layer_ms"], five["global_layer_ms"])
+    stripes = [r for r in recs if r["layout"] == "striped:stripe=8"]
+    assert all(r["plan"].startswith("whole documents <= ") and r["global_predicted_forward_ms"] > 0 for r in stripes)
+    out = capsys.readouterr().out
+    assert "block ms" in out and "window share" in out and "measured global layer forward" in out
+
+
+def test_masked_sim_times_identical_rank_steps_once():
+    work = workload("contiguous", 4, 32, None, None)
+    lay = get_layout("contiguous")
+    sigs = {(r, t): _plan_signature(block_plan(lay, work.mask, 4, r, (r - t) % 4)) for r in range(4) for t in range(4)}
+    # contiguous, one document: every block below the diagonal is the same full block
+    below = {sigs[(r, t)] for r in range(4) for t in range(1, 4) if t <= r}
+    assert len(below) == 1
+    assert sigs[(3, 1)] != sigs[(3, 0)]  # a full block is not the diagonal one
+
+
+def test_balance_reports_plans(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    assert main(["bench", "balance", "--world-sizes", "4", "--tokens-per-rank", "64", "--docs",
+                 "lognormal:median=24,sigma=1.0", "--layouts", "striped;striped:place=auto;striped:stripe=8",
+                 "--no-progress", "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    assert "plan" not in next(r for r in recs if r["layout"] == "striped")
+    for r in recs[1:]:
+        assert r["plan"].startswith("whole documents <= ") and r["predicted_forward_ms"] > 0
+        assert r["plan_balance"] >= 1.0 - 1e-9
+    assert "plan striped:place=auto N=4" in capsys.readouterr().out
+    # a plain row with stripes runs the masked plans (stripes have no dense ones)
+    assert main(["bench", "balance", "--world-sizes", "4", "--tokens-per-rank", "32", "--no-progress",
+                 "--layouts", "striped;striped:stripe=8"]) == 0
+
+
+def test_run_global_every_and_plans(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert main(["bench", "run", "--world-size", "2", "--tokens-per-rank", "32", "--heads", "2", "--head-dim", "8",
+                 "--warmup", "0", "--iters", "1", "--docs", "fixed:12", "--window", "6", "--global-every", "3",
+                 "--device", "cpu", "--threads", "1", "--no-progress", "--peers", "none", "--layouts",
+                 "striped:stripe=8,place=auto;zigzag", "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    layers = {r["impl"]: r for r in recs if "global_every" not in r}
+    assert {"striped:stripe=8,place=auto|global", "zigzag|global", "contiguous|global"} <= set(layers)
+    blocks = [r for r in recs if r.get("global_every") == 3]
+    assert {r["impl"] for r in blocks} == {"striped:stripe=8,place=auto", "zigzag", "contiguous"}
+    for b in blocks:
+        w, g = layers[b["impl"]]["median_ms"], layers[b["impl"] + "|global"]["median_ms"]
+        assert b["block_ms"] == pytest.approx(2 * w + g) and b["median_ms"] == b["block_ms"]
+    st = layers["striped:stripe=8,place=auto|global"]
+    assert st["plan"].startswith("whole documents") and st["predicted_forward_ms"] > 0
+    assert layers["striped:stripe=8,place=auto"]["predicted_forward_ms"] is None  # windowed: no prediction
+    assert "block ms" in capsys.readouterr().out
