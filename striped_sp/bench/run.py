@@ -17,7 +17,7 @@ measured the same way: what context parallelism divides.
 
 With ``profile=True`` our layouts also report, per rank, where forward and backward time goes:
 kernel calls, the fp32 merge, waits on the ring transfers, and the rest (slicing, accumulation,
-allocation), by timing wrappers installed in the worker processes only.
+allocation), by timing wrappers installed in the worker processes only (:mod:`.profile`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .. import attention as _attention
-from .. import ring as _ring
-from .. import step as _step
 from ..attention import ring_attention
-from ..kernels import Kernel, resolve_kernel
+from ..kernels import resolve_kernel
 from ..layouts import get_layout
 from .common import median, pick_dtype, progress, sync
 from .docs import workload
@@ -48,6 +45,7 @@ from .memory import MemoryPeak, tensor_bytes
 from .mixed import check_global_every
 from .report import plan_report
 from .peers import PEERS, PeerSkip
+from .profile import Clock, install_profiler, profiled_step
 
 __all__ = ["RunConfig", "run", "GLOBAL_SUFFIX"]
 
@@ -82,57 +80,6 @@ class RunConfig:
     memory: bool = True  # peak memory per rank, measured on each implementation's first iteration
     reference: bool = True  # the sdpa_1proc line: one process, fused SDPA on the whole sequence
     global_every: tuple = ()  # with a window: also time each layout's global layer ("LAYOUT|global", .mixed)
-
-
-# ---------------------------------------------------------------------------------------------
-# profiling wrappers (installed in worker processes only)
-# ---------------------------------------------------------------------------------------------
-
-class _Clock:
-    def __init__(self, device):
-        self.device = device
-        self.phase = "fwd"
-        self.t = {}
-
-    def add(self, what, dt):
-        key = f"{self.phase}_{what}"
-        self.t[key] = self.t.get(key, 0.0) + dt
-
-    def timed(self, what, fn, *a, **kw):
-        sync(self.device)
-        t0 = time.perf_counter()
-        res = fn(*a, **kw)
-        sync(self.device)
-        self.add(what, time.perf_counter() - t0)
-        return res
-
-
-class _TimedKernel(Kernel):
-    def __init__(self, inner: Kernel, clock: _Clock):
-        self.inner, self.clock, self.name = inner, clock, inner.name
-        self.tensor_format, self.default_strict_block = inner.tensor_format, inner.default_strict_block
-
-    def causal_alignment(self, *a):
-        return self.inner.causal_alignment(*a)
-
-    def forward(self, *a):
-        return self.clock.timed("kernel", self.inner.forward, *a)
-
-    def backward(self, *a):
-        return self.clock.timed("kernel", self.inner.backward, *a)
-
-    def forward_native(self, *a):
-        return self.clock.timed("kernel", self.inner.forward_native, *a)
-
-    def backward_native(self, *a):
-        return self.clock.timed("kernel", self.inner.backward_native, *a)
-
-
-def _install_profiler(clock: _Clock):
-    merge = _step.merge_block
-    wait = _ring.Transfer.wait
-    _step.merge_block = lambda *a: clock.timed("merge", merge, *a)
-    _ring.Transfer.wait = lambda self: clock.timed("wait", wait, self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,9 +122,9 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
     dtype = pick_dtype(cfg.dtype, device)
     kvh = cfg.kv_heads or cfg.heads
     gen = torch.Generator().manual_seed(1234 + rank)
-    clock = _Clock(device)
+    clock = Clock(device)
     if cfg.profile:
-        _install_profiler(clock)
+        install_profiler(clock)
     kernel = resolve_kernel(cfg.backend, device, dtype)
     records, notes, profile = [], {}, []
     tasks = [(s, i) for s in cfg.seq_lens for i in range(cfg.warmup + cfg.iters)]
@@ -244,7 +191,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
             try:
                 with tracker:
                     if cfg.profile and name in cfg.layouts and not (cfg.docs or cfg.window):
-                        out = _profiled_step(*args, group, lay, kernel, clock)
+                        out = profiled_step(*args, group, lay, kernel, clock)
                     else:
                         out = _fwd_bwd(fn, *args)
                     sync(device)
@@ -340,25 +287,6 @@ def _reference(cfg: RunConfig, seq: int, dtype, device, kv_heads: int, mine: boo
             ms = peak = None
     dist.barrier()
     return ms, peak
-
-
-def _profiled_step(q, k, v, dout, group, layout, kernel, clock):
-    """One fwd+bwd of our ring attention with the timing kernel; phase totals in ``clock``."""
-    for t in (q, k, v):
-        t.grad = None
-    timed = _TimedKernel(kernel, clock)
-    strict = _step.strict_block_mode(kernel, q.device, q.dtype, q.size(-1), applies=layout == "striped")
-    t0 = time.perf_counter()
-    out = _attention._RingAttention.apply(q, k, v, group, get_layout(layout), True, q.size(-1) ** -0.5, timed,
-                                          None, torch.float32, strict)
-    sync(clock.device)
-    clock.t["fwd_total"] = time.perf_counter() - t0
-    clock.phase = "bwd"
-    t0 = time.perf_counter()
-    (out * dout).sum().backward()
-    sync(clock.device)
-    clock.t["bwd_total"] = time.perf_counter() - t0
-    return out
 
 
 def run(cfg: RunConfig):
