@@ -164,7 +164,8 @@ def plot_masked_sim(path: str, recs: list[dict], pass_name: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in recs if r["pass"] == pass_name]
-    labels = [f"{r['layout']}\nN={r['world_size']}, {r['tokens_per_rank']}/rank" for r in rows]
+    labels = [f"{r['layout']}\nN={r['world_size']}, {r['tokens_per_rank']}/rank"
+              + (f"\nK={r['global_every']}" if "global_every" in r else "") for r in rows]
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.6), dpi=90)
     ax.bar(range(len(rows)), [r["speedup_vs_contiguous"] or 0 for r in rows],
            color=[{"striped": "C0", "zigzag": "C1", "contiguous": "C2"}.get(r["layout"], "C3") for r in rows])
@@ -172,7 +173,9 @@ def plot_masked_sim(path: str, recs: list[dict], pass_name: str) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.5)
     ax.set_ylabel("speedup over contiguous")
     r0 = rows[0]
-    ax.set_title(f"sim ({pass_name}): docs {r0['docs'] or 'one per row'}, window {r0['window'] or 'none'}", fontsize=9)
+    mixed = ", blocks of K layers, 1 global" if "global_every" in r0 else ""
+    ax.set_title(f"sim ({pass_name}): docs {r0['docs'] or 'one per row'}, window {r0['window'] or 'none'}{mixed}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
