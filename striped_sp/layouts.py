@@ -229,24 +229,26 @@ class Zigzag(Layout):
 class Striped(Layout):
     """Rank ``r`` holds tokens ``r, r+N, r+2N, ...`` (``stripe_size=1``), or stripes of
     ``stripe_size`` tokens dealt round-robin: stripe ``g`` (tokens ``g*s .. g*s+s-1``) goes to rank
-    ``g mod N``.  ``doc_placement`` (packed rows, :mod:`striped_sp.placement`): ``"split"`` stripes
-    every document over all ranks; ``"auto"`` or an int ``L`` keeps documents of at most ``L``
-    tokens (``"auto"``: a length the cost model picks) whole on one rank, dealt by a balancing
-    solver, and stripes the rest."""
+    ``g mod N``; ``stripe_size="doc"``: per document, ``2N`` stripes of about ``L / 2N`` tokens dealt
+    in a round trip (ranks ``0 .. N-1``, then ``N-1 .. 0``; :mod:`striped_sp.doc_stripes`), so that
+    every ring block is a few large dense rectangles.  ``doc_placement`` (packed rows,
+    :mod:`striped_sp.placement`): ``"split"`` stripes every document over all ranks; ``"auto"`` or
+    an int ``L`` keeps documents of at most ``L`` tokens (``"auto"``: a length the cost model picks)
+    whole on one rank, dealt by a balancing solver, and stripes the rest."""
 
     name = "striped"
 
-    def __init__(self, stripe_size: int = 1, doc_placement="split"):
-        from .placement import check_placement
+    def __init__(self, stripe_size: int | str = 1, doc_placement="split"):
+        from .placement import check_placement, check_stripe_size
 
-        if not isinstance(stripe_size, int) or isinstance(stripe_size, bool) or stripe_size < 1:
-            raise ValueError(f"stripe_size={stripe_size!r} must be a positive int")
-        self.stripe_size = stripe_size
+        self.stripe_size = check_stripe_size(stripe_size)
         self.doc_placement = check_placement(doc_placement)
         self.placed = self.doc_placement != "split"
-        # whole documents fill each rank up to S/N, so only a plain striped row needs S % (N*s) == 0
-        self.seq_multiple = 1 if self.placed else stripe_size
-        self.dense_plans = stripe_size == 1
+        self.per_document = self.stripe_size == "doc"
+        # whole documents (or per-document stripes) fill each rank up to S/N exactly, so only a
+        # plain striped row needs S % (N*s) == 0
+        self.seq_multiple = 1 if self.placed or self.per_document else self.stripe_size
+        self.dense_plans = self.stripe_size == 1
 
     @property
     def key(self) -> str:
@@ -261,7 +263,7 @@ class Striped(Layout):
         return world_size if self.stripe_size == 1 else 1
 
     def window_block(self, world_size, local_len, mask=None):
-        return None if self.placed else self.stripe_size
+        return None if self.placed or self.per_document else self.stripe_size
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         if self.stripe_size == 1 and (not self.placed or cu_seqlens is None):
@@ -286,7 +288,7 @@ class Striped(Layout):
     def flattens_rows(self, local_len):
         # without document placement, and each row a whole number of stripes per rank: stripe g of
         # row i is stripe i * S / s + g of the flat row, on the same rank
-        return not self.placed and local_len % self.stripe_size == 0
+        return not self.placed and not self.per_document and local_len % self.stripe_size == 0
 
 
 LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (Striped, Zigzag, Contiguous)}
@@ -302,7 +304,7 @@ def _parse_params(text: str) -> dict:
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")
         if not sep or key.strip() not in names:
-            raise ValueError(f"layout parameter {item!r}: expected stripe=<int> or place=split|auto|<int>")
+            raise ValueError(f"layout parameter {item!r}: expected stripe=<int>|doc or place=split|auto|<int>")
         val = val.strip()
         params[names[key.strip()]] = int(val) if val.lstrip("-").isdigit() else val
     return params

@@ -271,6 +271,30 @@ def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
     return doc[order], local[order], (pos0[run] + a0 * step)[order], (a1 - a0)[order], step[order]
 
 
+def _diagonal_plan(doc, local, pos, count, step) -> list[SegmentCall] | None:
+    """A rank's own block under a plain causal mask, when every document's pieces lie back to
+    back in local rows and in position order: then local order is position order inside each
+    document, and the block is one causal square per document (one call, instead of a square per
+    piece plus a rectangle per pair).  ``None`` when some document's pieces are not laid out so."""
+    if doc.numel() == 0:
+        return []
+    same = doc[1:] == doc[:-1]
+    after_prev = (local[1:] == local[:-1] + count[:-1]) & (pos[1:] > pos[:-1] + (count[:-1] - 1) * step[:-1])
+    if not bool((after_prev | ~same).all()):
+        return None
+    first = torch.ones(doc.numel(), dtype=torch.bool)
+    first[1:] = ~same
+    group = torch.cumsum(first.long(), 0) - 1
+    starts = local[first]
+    lengths = torch.zeros(starts.numel(), dtype=torch.int64).index_add_(0, group, count)
+    zero = torch.zeros(1, dtype=torch.int64)
+    cu = torch.cat([zero, torch.cumsum(lengths, 0)])
+    causal = torch.zeros(starts.numel(), dtype=torch.int64)
+    segs = Segments(cu, cu.clone(), causal - 1, causal, starts, starts.clone())
+    rows = _as_index(_ranges(starts, lengths))
+    return [SegmentCall(rows, rows, segs, segs.entries())]
+
+
 def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, pieces=None) -> list[SegmentCall]:
     """The varlen calls that cover exactly the visible entries of queries on ``rank`` against
     keys from ``source`` (local indices); ``[]`` when nothing is visible.  ``pieces``: an optional
@@ -279,6 +303,10 @@ def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, 
     for r in (rank, source):
         if r not in pieces:
             pieces[r] = _pieces(layout, spec, world_size, r)
+    if rank == source and spec.left < 0 and spec.right == 0:
+        merged = _diagonal_plan(*pieces[rank])
+        if merged is not None:
+            return merged
     qd, ql, qp, qn, qs = pieces[rank]
     kd, kl, kp, kn, _ = pieces[source]
     first = torch.searchsorted(kd, qd)

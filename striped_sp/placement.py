@@ -29,8 +29,10 @@ import numbers
 
 import torch
 
-__all__ = ["CostModel", "COST_MODELS", "BALANCE_SLACK", "check_placement", "placed_runs", "choose_whole_max",
-           "predict", "describe"]
+from . import doc_stripes
+
+__all__ = ["CostModel", "COST_MODELS", "BALANCE_SLACK", "check_placement", "check_stripe_size", "placed_runs",
+           "choose_whole_max", "predict", "describe"]
 
 #: ``"auto"`` keeps documents whole only where the critical path stays within 1% of ideal (entries)
 BALANCE_SLACK = 0.01
@@ -73,6 +75,16 @@ def check_placement(doc_placement):
         return int(doc_placement)
     raise ValueError(f"doc_placement={doc_placement!r} must be 'split', 'auto' or a positive int "
                      "(the longest document kept whole on one rank)")
+
+
+def check_stripe_size(stripe_size):
+    """A positive int, or ``"doc"`` (per-document stripes, :mod:`striped_sp.doc_stripes`); else ``ValueError``."""
+    if stripe_size == "doc" and isinstance(stripe_size, str):
+        return "doc"
+    if isinstance(stripe_size, numbers.Integral) and not isinstance(stripe_size, bool) and stripe_size >= 1:
+        return int(stripe_size)
+    raise ValueError(f"stripe_size={stripe_size!r} must be a positive int or 'doc' (per document: 2N stripes "
+                     "dealt to ranks 0..N-1 then N-1..0)")
 
 
 def _lengths(bounds: tuple) -> list[int]:
@@ -231,6 +243,8 @@ def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostMod
     causal call each on their rank; a striped document one piece per rank and ring step)."""
     model = COST_MODELS[model] if isinstance(model, str) else model
     bounds = tuple(bounds)
+    if stripe == "doc":
+        return _predict_doc(bounds, world_size, whole_max, model)
     tables, whole, striped, entries = _place(bounds, world_size, stripe, whole_max)
     pieces = _whole_pieces(bounds, tables, whole)
     lengths = _lengths(bounds)
@@ -245,6 +259,24 @@ def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostMod
         m = _piece(lengths[d], world_size, stripe)
         per_step += model.call(m, m, True) * (lengths[d] / world_size / m) ** 2
     return {"balance": balance, "ms": (max(whole_ns) + world_size * per_step) / 1e6}
+
+
+def _predict_doc(bounds: tuple, world_size: int, whole_max: int, model: CostModel) -> dict:
+    """:func:`predict` for per-document stripes: the exact entries of every (step, rank) block."""
+    _, kept, _, counts = doc_stripes.place(bounds, world_size, whole_max)
+    entries = doc_stripes.step_entries(bounds, world_size, kept, counts)
+    ideal = float(entries.sum()) / world_size
+    balance = float(entries.max(1).values.sum()) / ideal if ideal else 1.0
+
+    def call(rows, keys, causal):
+        rows = torch.clamp(rows, min=1e-9)
+        area = rows * torch.minimum(keys, rows / 2 + model.causal_waste) if causal else rows * keys
+        ns = model.ns_per_entry * area * (1 + model.small_rows / rows) + model.call_ns
+        return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
+
+    cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: call(m, m, True),
+                                 lambda q, k: call(q, k, False))
+    return {"balance": balance, "ms": float(cost.max(1).values.sum()) / 1e6}
 
 
 def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel | str = "cpu") -> int:
@@ -282,10 +314,13 @@ def describe(bounds, world_size: int, stripe: int, doc_placement, model: CostMod
     whole_max = {"split": 0, "auto": None}.get(doc_placement, doc_placement)
     if whole_max is None:
         whole_max = choose_whole_max(bounds, world_size, stripe, model)
-    tables, whole, _, _ = _place(bounds, world_size, stripe, whole_max)
-    starts = {bounds[d] for d in whole}
-    kept = sum(1 for t in tables for _, first, count, step in t.tolist()
-               if step == 1 and first in starts and count == bounds[bounds.index(first) + 1] - first)
+    if stripe == "doc":
+        kept = sum(len(docs) for docs in doc_stripes.place(bounds, world_size, whole_max)[1])
+    else:
+        tables, whole, _, _ = _place(bounds, world_size, stripe, whole_max)
+        starts = {bounds[d] for d in whole}
+        kept = sum(1 for t in tables for _, first, count, step in t.tolist()
+                   if step == 1 and first in starts and count == bounds[bounds.index(first) + 1] - first)
     pred = predict(bounds, world_size, stripe, whole_max, model)
     return {"whole_max": whole_max, "whole_documents": kept, "documents": len(bounds) - 1,
             "balance": pred["balance"], "predicted_forward_ms": pred["ms"]}
@@ -302,4 +337,6 @@ def placed_runs(bounds: tuple, world_size: int, stripe: int, doc_placement) -> l
         whole_max = choose_whole_max(bounds, world_size, stripe)
     else:
         whole_max = doc_placement
+    if stripe == "doc":
+        return doc_stripes.place(bounds, world_size, whole_max)[0]
     return _place(bounds, world_size, stripe, whole_max)[0]

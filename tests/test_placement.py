@@ -36,7 +36,8 @@ def _random_lengths(rng, total, short):
 # -- the placement, on one process ---------------------------------------------------------------
 
 @pytest.mark.parametrize("spec", ["striped:stripe=3", "striped:place=auto", "striped:place=20",
-                                  "striped:stripe=4,place=auto", "striped:place=1"])
+                                  "striped:stripe=4,place=auto", "striped:place=1", "striped:stripe=doc",
+                                  "striped:stripe=doc,place=auto", "striped:stripe=doc,place=9"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_positions_are_a_permutation(spec, n):
     rng = random.Random(SEED + n)
@@ -151,9 +152,11 @@ def _cases(world):
     cases = []
     for n in sizes:
         for i, layout in enumerate(["striped:stripe=2", "striped:stripe=4", "striped:place=auto",
-                                    "striped:place=6", "striped:stripe=2,place=auto", "striped:stripe=3,place=10"]):
+                                    "striped:place=6", "striped:stripe=2,place=auto", "striped:stripe=3,place=10",
+                                    "striped:stripe=doc", "striped:stripe=doc,place=7"]):
             s = SEED + 100 * n + 10 * i
-            stripe = int(layout.split("stripe=")[1].split(",")[0]) if "stripe=" in layout else 1
+            stripe = layout.split("stripe=")[1].split(",")[0] if "stripe=" in layout else "1"
+            stripe = int(stripe) if stripe.isdigit() else 1
             ll = 12 * stripe
             specs = [
                 ("docs-short", "gqa", ll, "short", None),
@@ -223,3 +226,87 @@ def test_ring_steps_cover_every_visible_block(spec, n, local, left, steps):
     assert not any(busy[steps:])
     if lay.window_block(n, local, mask) is not None:
         assert busy[steps - 1]
+
+
+# -- per-document stripes (stripe_size="doc") -----------------------------------------------------
+
+def _web_row(n, tokens_per_rank=2048, median=256, seed=3):
+    from striped_sp.bench.docs import packed_row, parse_docs
+
+    return tuple(packed_row(parse_docs(f"lognormal:median={median},sigma=1.2"), n * tokens_per_rank, seed=seed))
+
+
+def _plan_entries(spec, bounds, n):
+    """entries[t][r] of the real block plans (the work model's count, independent of doc_stripes)."""
+    from striped_sp.bench.docs import Workload
+    from striped_sp.bench.work import masked_step_entries
+    from striped_sp.masks import make_mask
+
+    lay = get_layout(spec)
+    mask = make_mask(bounds[-1], n, lay, list(bounds), None, True)
+    return masked_step_entries(Workload(lay.key, n, mask, 0, 1.0))
+
+
+@pytest.mark.parametrize("n, whole_max", [(4, 0), (8, 0), (8, 512), (8, 4096)])
+def test_doc_stripes_step_entries_match_the_plans(n, whole_max):
+    """doc_stripes' analytic count of every (step, rank) block equals the block plans' own."""
+    from striped_sp import doc_stripes
+
+    bounds = _web_row(n)
+    _, kept, _, counts = doc_stripes.place(bounds, n, whole_max)
+    model = doc_stripes.step_entries(bounds, n, kept, counts)
+    plans = _plan_entries(f"striped:stripe=doc,place={whole_max}" if whole_max else "striped:stripe=doc", bounds, n)
+    assert model.tolist() == [[float(x) for x in row] for row in plans]
+
+
+@pytest.mark.parametrize("n", [2, 8, 32])
+def test_doc_stripes_are_balanced_round_trips(n):
+    """Every split document: two runs per rank (one from either half, in a round trip), S/N tokens
+    per rank; the real plans' critical path within 1% of ideal, dense row and web mix."""
+    for bounds in [(0, n * 1024), _web_row(n, 1024)]:
+        tables = placed_runs(bounds, n, "doc", "split")
+        assert all(int(t[:, 2].sum()) == bounds[-1] // n for t in tables)
+        runs = sorted((int(p), int(c), r) for r, t in enumerate(tables) for _, p, c, _ in t.tolist())
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b - a < 2 * n:
+                continue
+            mine = [r for p, c, r in runs if a <= p < b]
+            assert mine == list(range(n)) + list(reversed(range(n))), (a, b, mine)
+        entries = _plan_entries("striped:stripe=doc", bounds, n) if n <= 8 else None
+        if entries is not None:
+            ideal = sum((y - x) * (y - x + 1) // 2 for x, y in zip(bounds[:-1], bounds[1:])) / n
+            assert sum(max(row) for row in entries) / ideal <= 1.01
+
+
+def test_doc_stripes_keep_short_documents_whole_and_fill_ranks_exactly():
+    from striped_sp import doc_stripes
+
+    n = 8
+    bounds = _web_row(n)
+    tables, kept, split, counts = doc_stripes.place(bounds, n, 512)
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    whole = [d for docs in kept for d in docs]
+    assert len(whole) >= 5 and all(lengths[d] <= 512 for d in whole)
+    assert sorted(whole + split) == [d for d in range(len(lengths)) if lengths[d]]
+    for r, t in enumerate(tables):
+        assert int(t[:, 2].sum()) == bounds[-1] // n
+        for d in kept[r]:
+            assert [bounds[d], lengths[d]] in t[:, 1:3].tolist()
+    assert [sum(row) for row in counts] == [lengths[d] for d in split]
+
+
+def test_diagonal_block_is_one_causal_square_per_document():
+    """A rank's own block under a plain causal mask: one call, one causal segment per document
+    (its pieces back to back in local order); with a window the pieces stay separate."""
+    from striped_sp.masks import block_plan, make_mask
+
+    n = 4
+    bounds = [0, 40, 41, 200, 320]
+    lay = get_layout("striped:stripe=doc")
+    plan = block_plan(lay, make_mask(320, n, lay, bounds, None, True), n, 1, 1)
+    assert len(plan) == 1
+    segs = plan[0].segments
+    assert segs.lq.tolist() == segs.lk.tolist() and (segs.wl == -1).all() and (segs.wr == 0).all()
+    assert int(segs.lq.sum()) == 80 and len(segs) == 3  # the 1-token document sits on another rank
+    windowed = block_plan(lay, make_mask(320, n, lay, bounds, (5, 0), True), n, 1, 1)
+    assert sum(len(c.segments) for c in windowed) > 3
