@@ -135,6 +135,11 @@ def test_striped_flags_make_one_layout_key():
     assert sm.algo_of(parser.parse_args(["--context-parallel-algo", "striped"])) == "striped"
     assert sm.algo_of(parser.parse_args(["--context-parallel-algo", "ring"])) == "ring"
     assert sm.algo_of(_args(striped_doc_placement="64")) == "striped:place=64"
+    assert sm.algo_of(parser.parse_args(["--context-parallel-algo", "striped", "--striped-stripe-size", "doc"])) \
+        == "striped:stripe=doc"
+    with pytest.raises(SystemExit):  # argparse: neither an integer nor 'doc'
+        parser.parse_args(["--striped-stripe-size", "docs"])
+    sm.validate_args(_args(striped_stripe_size="doc", seq_length=4 * 5))  # per-document stripes: any multiple of CP
     assert sm.layout_of("striped:place=64,stripe=2") == "striped:stripe=2,place=64"
     assert sm.add_arguments(parser) is parser
     sm.validate_args(_args(striped_stripe_size=4, seq_length=4 * 4 * 3))
@@ -154,6 +159,8 @@ def test_striped_flags_make_one_layout_key():
     (dict(context_parallel_algo="native", striped_stripe_size=8), "--striped-stripe-size 8 applies to"),
     (dict(striped_stripe_size=3, seq_length=4096), "--striped-stripe-size * --context-parallel-size = 12"),
     (dict(striped_doc_placement="auto"), "--striped-doc-placement auto needs packed THD rows (--sft)"),
+    (dict(striped_stripe_size="doc", reset_attention_mask=True), "--striped-stripe-size doc follows the documents"),
+    (dict(striped_stripe_size="tiles"), "--striped-stripe-size 'tiles' must be a positive integer"),
     (dict(striped_doc_placement="32", sft=True, calculate_per_token_loss=True, reset_attention_mask=True),
      "--striped-doc-placement 32 places the documents of packed THD rows (--sft) only"),
 ])

@@ -67,6 +67,8 @@ def check_placed_reset_mask_refused(seed):
     batch = {"tokens": torch.zeros(1, 40, dtype=torch.int64), "attention_mask": document_mask((0, 13, 40), 40)}
     with pytest.raises(ValueError, match="THD rows"):
         sm.get_batch_on_this_cp_rank(batch, _algo(striped_doc_placement="auto"), cp_group=group)
+    with pytest.raises(ValueError, match="THD rows"):
+        sm.get_batch_on_this_cp_rank(batch, _algo(striped_stripe_size="doc"), cp_group=group)
     dist.barrier()
 
 
@@ -74,7 +76,8 @@ def _cases():
     s2, s4 = _algo(striped_stripe_size=2), _algo(striped_stripe_size=4)
     p16, auto = _algo(striped_doc_placement="16"), _algo(striped_doc_placement="auto")
     p8s2 = _algo(striped_doc_placement="8", striped_stripe_size=2)
-    assert (s4, p8s2) == ("striped:stripe=4", "striped:stripe=2,place=8")
+    doc, doc8 = _algo(striped_stripe_size="doc"), _algo(striped_stripe_size="doc", striped_doc_placement="8")
+    assert (s4, p8s2, doc8) == ("striped:stripe=4", "striped:stripe=2,place=8", "striped:stripe=doc,place=8")
     return [
         ("thd-stripe2", check_thd, (2, s2, False, None, SEED)),
         ("thd-padded-stripe2-window", check_thd, (2, s2, True, WINDOW, SEED + 1)),
@@ -86,6 +89,8 @@ def _cases():
         ("thd-padded-place8-stripe2", check_thd, (2, p8s2, True, None, SEED + 7)),
         ("thd-padded-auto", check_thd, (2, auto, True, None, SEED + 8)),
         ("thd-padded-place16-mtp", check_thd, (2, p16, True, None, SEED + 9, False, 1)),
+        ("thd-padded-doc", check_thd, (2, doc, True, None, SEED + 12)),
+        ("thd-doc8-window", check_thd, (2, doc8, False, WINDOW, SEED + 13)),
         ("placement-reorders", check_placement_reorders, (SEED + 10,)),
         ("placed-reset-mask-refused", check_placed_reset_mask_refused, (SEED + 11,)),
     ]

@@ -10,7 +10,7 @@ import argparse
 from typing import Callable, Optional
 
 from ..layouts import ALGOS as LAYOUT_ALGOS, get_layout
-from ..placement import check_placement
+from ..placement import check_placement, check_stripe_size
 from ..ring import set_ring_timeout
 
 
@@ -54,12 +54,26 @@ def layout_of(algo: str) -> str:
     return get_layout(algo if ":" in algo else layout).key
 
 
-def _stripe_size(args) -> int:
+def _stripe_arg(text: str) -> int | str:
+    """``--striped-stripe-size``: an int, or ``doc``."""
+    if text.strip() == "doc":
+        return "doc"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'doc'") from None
+
+
+def _stripe_size(args) -> int | str:
     value = getattr(args, "striped_stripe_size", 1)
     value = 1 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"--striped-stripe-size {value!r} must be a positive integer (1: token by token)")
-    return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    try:
+        return check_stripe_size(value)
+    except ValueError:
+        raise ValueError(f"--striped-stripe-size {value!r} must be a positive integer (1: token by token) or "
+                         "doc (per document: 2 * CP stripes dealt to ranks 0..CP-1, then back)") from None
 
 
 def _doc_placement(args):
@@ -123,12 +137,13 @@ def add_arguments(parser):
     )
     add(
         "--striped-stripe-size",
-        type=int,
+        type=_stripe_arg,
         default=1,
         help="--context-parallel-algo striped: deal tokens to the CP ranks in stripes of this many "
         "(1: token by token, the paper's layout; larger stripes mean fewer, larger kernel calls on "
-        "packed rows and windows). Without document placement --seq-length must be a multiple of "
-        "CP * stripe size.",
+        "packed rows and windows), or 'doc': per document 2*CP stripes, dealt to ranks 0..CP-1 then "
+        "back (large dense blocks, no padding). With an integer and no document placement "
+        "--seq-length must be a multiple of CP * stripe size.",
     )
     add(
         "--striped-doc-placement",
@@ -333,6 +348,10 @@ def _check_striped_flags(args, key: str) -> None:
     cannot follow a per-row placement, and MTP's roll there knows no documents: refused.  Without
     documents a placement would do nothing: refused too, so that a flag never silently does nothing."""
     lay = get_layout(layout_of(key))
+    if getattr(lay, "per_document", False) and getattr(args, "reset_attention_mask", False):
+        raise ValueError("--striped-stripe-size doc follows the documents of packed THD rows (--sft) or "
+                         "whole rows: with --reset-attention-mask Megatron's RoPE takes one table for every "
+                         "row of a [b, s] batch; use --sft packed rows or an integer stripe size")
     if not getattr(lay, "placed", False):
         return
     place = f"--striped-doc-placement {lay.doc_placement}"

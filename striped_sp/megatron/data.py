@@ -104,9 +104,10 @@ def get_batch_on_this_cp_rank(
     if documents is not None and packed.keeps_padding(layout) and any(len(b) > 2 for b in documents):
         if algo_name(algo) != "zigzag":  # a striped doc_placement
             raise ValueError(
-                f"--context-parallel-algo {algo}: --striped-doc-placement places the documents of packed "
-                "THD rows (--sft) only, not those of --reset-attention-mask [b, s] batches (Megatron's RoPE "
-                "takes one table for every row): use --striped-doc-placement split")
+                f"--context-parallel-algo {algo}: --striped-doc-placement and --striped-stripe-size doc place "
+                "the documents of packed THD rows (--sft) only, not those of --reset-attention-mask [b, s] "
+                "batches (Megatron's RoPE takes one table for every row): use --striped-doc-placement split "
+                "and an integer stripe size")
         raise ValueError(
             "--context-parallel-algo zigzag cuts each packed document into 2 * CP chunks and cannot "
             "run the documents of --reset-attention-mask inside whole rows: use --context-parallel-algo "

@@ -48,9 +48,10 @@ def keeps_padding(layout: str) -> bool:
     """Whether ``layout`` (a layout key) places tokens by the documents (``zigzag``: per document; a
     striped ``doc_placement``: whole documents on one rank), and so keeps each padded THD document
     whole, padding inside: then data, attention and RoPE (which gets only the padded boundaries
-    from Megatron) all see the same documents and place the tokens alike."""
+    from Megatron) all see the same documents and place the tokens alike; striped with
+    ``stripe_size="doc"``: per-document stripes)."""
     lay = get_layout(layout)
-    return lay.name == "zigzag" or bool(getattr(lay, "placed", False))
+    return lay.name == "zigzag" or bool(getattr(lay, "placed", False) or getattr(lay, "per_document", False))
 
 
 def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tuple[int, ...]:
