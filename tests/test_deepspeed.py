@@ -76,11 +76,15 @@ def test_config_striped_parameters_make_one_layout_key():
     assert parse_config({"context_parallel": {"doc_placement": 64}}).layout == "striped:place=64"
     assert parse_config({"context_parallel": {"stripe_size": 1, "doc_placement": "split"}}).layout == "striped"
     assert parse_config({"context_parallel": {"algo": "zigzag", "stripe_size": 1}}).layout == "zigzag"
+    assert parse_config({"context_parallel": {"stripe_size": "doc", "doc_placement": 8}}).layout \
+        == "striped:stripe=doc,place=8"
 
 
 @pytest.mark.parametrize("section,words", [
-    ({"stripe_size": 0}, ["context_parallel.stripe_size=0", "greater than or equal to 1"]),
+    ({"stripe_size": 0}, ["context_parallel.stripe_size=0", "a positive integer or 'doc'"]),
     ({"stripe_size": "4"}, ["context_parallel.stripe_size='4'", "integer"]),
+    ({"stripe_size": "docs"}, ["context_parallel.stripe_size='docs'", "integer or 'doc'"]),
+    ({"stripe_size": True}, ["context_parallel.stripe_size=True"]),
     ({"stripe_size": 2.5}, ["context_parallel.stripe_size=2.5"]),
     ({"doc_placement": "whole"}, ["context_parallel.doc_placement='whole'", "'split', 'auto' or a positive integer"]),
     ({"doc_placement": 0}, ["context_parallel.doc_placement=0", "positive integer"]),

@@ -44,9 +44,12 @@ CASES = [
     ("mistral_window_packed_stripe2_place4", ds_cases._case_hf, ("mistral", "packed", "striped:stripe=2,place=4")),
     ("qwen2_layer_types_packed_place16", ds_cases._case_hf, ("qwen2", "packed_positions", "striped:place=16")),
     ("drop_in_stripe2_place8", ds_cases._case_distributed_attention, ("striped:stripe=2,place=8", 1)),
+    ("llama_packed_doc_place8", ds_cases._case_hf, ("llama", "packed", "striped:stripe=doc,place=8", "raw")),
+    ("mistral_window_plain_doc", ds_cases._case_hf, ("mistral", "plain", "striped:stripe=doc")),
     ("placement_reorders", _case_placement_reorders, ("striped:place=8",)),
     ("engine_packed_stripe2_place8", ds_cases._case_engine_packed,
      ({"algo": "striped", "stripe_size": 2, "doc_placement": 8},)),
+    ("engine_packed_doc", ds_cases._case_engine_packed, ({"algo": "striped", "stripe_size": "doc"},)),
 ]
 
 

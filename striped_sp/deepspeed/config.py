@@ -5,7 +5,7 @@
                                                     "stripe_size": 1, "doc_placement": "split"}}
 ```
 
-``stripe_size`` (int >= 1) and ``doc_placement`` (``"split"``, ``"auto"`` or the longest document, an
+``stripe_size`` (int >= 1, or ``"doc"``: per-document stripes) and ``doc_placement`` (``"split"``, ``"auto"`` or the longest document, an
 int >= 1, kept whole on one rank) are the striped layout's parameters
 (:class:`striped_sp.layouts.Striped`), for ``algo="striped"`` only; ``layout`` is then one key such
 as ``"striped:stripe=4,place=auto"`` that the data loader, the HF attention and
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from ..kernels import BACKENDS
 from ..layouts import ALGOS as LAYOUT_ALGOS, get_layout
-from ..placement import check_placement
+from ..placement import check_placement, check_stripe_size
 
 __all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config"]
 
@@ -50,7 +50,7 @@ class ContextParallelSettings:
     #: adapted); ``None``: ``$STRIPED_SP_RING_TIMEOUT_S`` or 600
     timeout_s: float | None = None
     #: striped only: tokens dealt to ranks in stripes of this many (1: token by token)
-    stripe_size: int = 1
+    stripe_size: int | str = 1
     #: striped only, packed rows: ``"split"`` (every document striped), ``"auto"`` or an int (documents
     #: of at most that many tokens kept whole on one rank, dealt by a balancing solver)
     doc_placement: str | int = "split"
@@ -103,9 +103,9 @@ def _model_class():
             backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
             ulysses_size: pydantic.StrictInt = pydantic.Field(default=1, ge=1)
             timeout_s: Optional[float] = pydantic.Field(default=None, gt=0, allow_inf_nan=False)
-            stripe_size: pydantic.StrictInt = pydantic.Field(default=1, ge=1)
-            #: listed for the allowed keys; checked by _doc_placement (DeepSpeed's models read "auto" as
-            #: "the default", and "auto" is a placement of its own here)
+            #: these two are listed for the allowed keys and checked by _striped_value (DeepSpeed's models
+            #: read "auto" as "the default", and "auto" is a placement of its own here)
+            stripe_size: Union[str, int] = 1
             doc_placement: Union[str, int] = "split"
 
         _MODEL_CLASS = ContextParallelConfig
@@ -183,27 +183,34 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
         raise ValueError(f"{SECTION}: keys must be strings, got {bad_keys!r}")
     placement = _doc_placement(section)
     try:
-        model = _model_class()(**{k: v for k, v in section.items() if k != "doc_placement"})
+        model = _model_class()(**{k: v for k, v in section.items() if k not in ("doc_placement", "stripe_size")})
     except pydantic.ValidationError as err:
         raise ValueError(_describe(err)) from None
     u = int(model.ulysses_size)
     if sp % u:
         raise ValueError(f"{SECTION}.ulysses_size={u} must divide sequence_parallel_size={sp} "
                          "(Ulysses groups of ulysses_size ranks, a ring across them)")
-    _check_striped_keys(model.algo, model.stripe_size, placement)
+    stripe = _striped_value(section, "stripe_size", 1, check_stripe_size,
+                            "a positive integer or 'doc' (per document: 2N stripes dealt to ranks 0..N-1, then back)")
+    _check_striped_keys(model.algo, stripe, placement)
     return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
-                                   ulysses_size=u, timeout_s=model.timeout_s, stripe_size=model.stripe_size,
+                                   ulysses_size=u, timeout_s=model.timeout_s, stripe_size=stripe,
                                    doc_placement=placement)
+
+
+def _striped_value(section: Mapping, key: str, default, check, rule: str):
+    """A striped layout parameter of the section (JSON numbers, not strings, for integers)."""
+    value = section.get(key, default)
+    try:
+        return check(value)
+    except ValueError:
+        raise ValueError(f"{SECTION}.{key}={value!r} must be {rule}") from None
 
 
 def _doc_placement(section: Mapping):
     """``doc_placement``: ``"split"``, ``"auto"`` or an int >= 1 (a JSON number, not a string)."""
-    value = section.get("doc_placement", "split")
-    try:
-        return check_placement(value)
-    except ValueError:
-        raise ValueError(f"{SECTION}.doc_placement={value!r} must be 'split', 'auto' or a positive integer "
-                         "(the longest document kept whole on one rank)") from None
+    return _striped_value(section, "doc_placement", "split", check_placement,
+                          "'split', 'auto' or a positive integer (the longest document kept whole on one rank)")
 
 
 def _check_striped_keys(algo: str, stripe_size: int, placement) -> None:
