@@ -1,6 +1,6 @@
 """striped_sp: exact striped ring attention (context parallelism) for causal transformer training."""
 
-from .attention import ring_attention, striped_attention
+from .request import RingRequest, ring_attention, striped_attention
 from .layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
 from .packing import PaddedDocuments, document_positions, pad_documents
 from .ulysses import ulysses_ring_groups
@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ring_attention",
+    "RingRequest",
     "striped_attention",
     "positions",
     "shard",

@@ -29,6 +29,7 @@ naming the variable.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import hashlib
 import json
@@ -38,7 +39,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CHECK_RANKS_ENV", "CACHE_SIZE", "check_ranks_enabled", "agree", "clear_cache"]
+__all__ = ["CHECK_RANKS_ENV", "CACHE_SIZE", "check_ranks_enabled", "per_call_checks_enabled", "agree", "agreeing",
+           "gather_rows", "clear_cache"]
 
 CHECK_RANKS_ENV = "STRIPED_SP_CHECK_RANKS"
 #: agreed signatures kept per group (an LRU): more than the distinct attention calls of one step
@@ -55,6 +57,17 @@ def check_ranks_enabled() -> bool:
         raise ValueError(f"${CHECK_RANKS_ENV}={value!r} must be '1' (check that the ranks agree once per "
                          "signature, the default), 'always' (check every call) or '0' (no check)")
     return value != "0"
+
+
+def per_call_checks_enabled() -> bool:
+    """Whether the opt-in checks that exchange a message on *every* call run (the Hugging Face
+    attention's own argument checks, the data loader's same-batch check): ``$STRIPED_SP_CHECK_RANKS``
+    set to ``1`` or ``always``; unset, empty or ``0``: off; anything else: ``ValueError``."""
+    value = os.environ.get(CHECK_RANKS_ENV, "")
+    if value not in ("", "0", "1", "always"):
+        raise ValueError(f"${CHECK_RANKS_ENV}={value!r} must be '1' (check that the ranks agree once per "
+                         "signature, the default), 'always' (check every call) or '0' (no check)")
+    return value in ("1", "always")
 
 
 def clear_cache() -> None:
@@ -129,9 +142,22 @@ def _describe_mismatch(fields: Sequence[tuple[str, Any]], group, device, timeout
     return "; ".join(lines) or "the signatures differ but no single field does (different field lists)"
 
 
+def gather_rows(group, values: Sequence[int], *, what: str, device: torch.device | str | None = None,
+                timeout: datetime.timedelta | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (int64, the same count on every rank), in group rank order: one
+    all-gather, ``TimeoutError`` naming ``what`` when a peer does not join within ``timeout``
+    (gloo).  The exchange under :func:`agree`, for callers that compare their own table (the data
+    loader's batch digests)."""
+    if group is None:
+        group = dist.group.WORLD
+    device = torch.device("cpu") if device is None else torch.device(device)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    return _all_gather(mine, group, timeout, what).tolist()
+
+
 def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_attention",
           error: BaseException | None = None, device: torch.device | str | None = None,
-          timeout: datetime.timedelta | None = None, enabled: bool | None = None) -> None:
+          timeout: datetime.timedelta | None = None, enabled: bool | None = None, cached: bool = True) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless every rank passed the same ``fields``.
 
     Args:
@@ -146,6 +172,8 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         device: where the exchange's small tensors live (the caller's: CUDA for NCCL).
         timeout: how long to wait for the peers (gloo); ``None``: the process group's own.
         enabled: ``None``: :func:`check_ranks_enabled`.
+        cached: ``False``: exchange on every call, agreed before or not (for per-call checks whose
+            peers may have failed where this rank passed: they must always meet).
 
     Sends nothing when the check is off, on one rank, or for a signature the group agreed on before
     (this rank's cache; see the module docstring).  ``TimeoutError`` when a peer never joins.
@@ -162,7 +190,7 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
     if error is None:
         signature = tuple([(name, _hashable(value)) for name, value in fields])
         cache = _CACHES.setdefault(_group_key(group), collections.OrderedDict())
-        if signature in cache and os.environ.get(CHECK_RANKS_ENV) != "always":
+        if cached and signature in cache and os.environ.get(CHECK_RANKS_ENV) != "always":
             cache.move_to_end(signature)
             return
         status, digest = 0, _digest(repr(signature))
@@ -185,9 +213,27 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         detail = _describe_mismatch(fields, group, device, timeout, what)
         raise ValueError(f"{what}: the ranks of the group were called with different arguments: {detail}. "
                          "Every rank must pass the same values: ranks that disagree would compute wrong gradients or hang")
+    if not cached:
+        return
     cache[signature] = None
     if len(cache) > CACHE_SIZE:
         cache.popitem(last=False)
+
+
+@contextlib.contextmanager
+def agreeing(group, *, what: str = "ring_attention", device=None, timeout=None, enabled: bool | None = None,
+             cached: bool = True):
+    """Run a block of argument checks: a ``ValueError`` raised inside is told to the group's other
+    ranks (:func:`agree` with ``error=``) before it propagates, so that they raise too instead of
+    waiting for this rank.  With ``cached=False`` a block that passes also joins the exchange
+    (every rank meets on every call)."""
+    try:
+        yield
+    except ValueError as err:
+        agree(group, None, what=what, error=err, device=device, timeout=timeout, enabled=enabled, cached=cached)
+        raise
+    if not cached:
+        agree(group, (), what=what, device=device, timeout=timeout, enabled=enabled, cached=False)
 
 
 def _tracing(device: torch.device) -> bool:

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from ..agreement import gather_rows, per_call_checks_enabled
 from ..layouts import get_layout, positions
 from .packed import CU_KEYS, MAX_KEYS, find_documents, pack_rows
 
@@ -176,14 +177,8 @@ def _digest(batch: Mapping[str, Any]) -> list[int]:
 
 def check_same_batch(batch: Mapping[str, Any], group) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all hold the same full micro-batch
-    (one small all-gather of shapes and checksums)."""
-    import torch.distributed as dist
-
-    mine = torch.tensor(_digest(batch), dtype=torch.int64)
-    n = dist.get_world_size(group)
-    every = torch.empty(n * mine.numel(), dtype=torch.int64)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    rows = every.view(n, -1).tolist()
+    (one small all-gather of shapes and checksums, :func:`striped_sp.agreement.gather_rows`)."""
+    rows = gather_rows(group, _digest(batch), what="check_same_batch")
     if any(row != rows[0] for row in rows):
         differ = [r for r, row in enumerate(rows) if row != rows[0]]
         raise ValueError(
@@ -229,8 +224,6 @@ class ShardedDataLoader:
 
     def __init__(self, loader: Iterable, group=None, layout: str = "striped", ignore_index: int = IGNORE_INDEX,
                  check_ranks: bool | None = None):
-        import os
-
         import torch.distributed as dist
 
         get_layout(layout)
@@ -241,10 +234,7 @@ class ShardedDataLoader:
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         if check_ranks is None:  # per batch, so only when asked for: "1" or "always" (the ring's default is its own)
-            env = os.environ.get("STRIPED_SP_CHECK_RANKS", "")
-            if env not in ("", "0", "1", "always"):
-                raise ValueError(f"STRIPED_SP_CHECK_RANKS={env!r} must be '0', '1' or 'always'")
-            check_ranks = env in ("1", "always")
+            check_ranks = per_call_checks_enabled()
         self.check_ranks = bool(check_ranks) and self.world_size > 1
 
     def __len__(self) -> int:

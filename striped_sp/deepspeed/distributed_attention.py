@@ -26,11 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..attention import ring_attention
-from ..kernels import BACKENDS
-from ..layouts import ALGOS, get_layout, positions
-from ..masks import check_window
-from .hf import hf_window
+from ..layouts import ALGOS, positions
+from ..request import RingRequest, window_of
 
 __all__ = ["DistributedAttention"]
 
@@ -46,17 +43,6 @@ def _apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     t_rot = t_rot * cos + _rotate_half(t_rot) * sin
     return t_rot if t_pass.size(-1) == 0 else torch.cat([t_rot, t_pass], dim=-1)
-
-
-def _as_window(window_size, sliding_window, causal: bool):
-    """One window from either convention (``None`` if neither is given); ``ValueError`` names it."""
-    if window_size is not None and sliding_window is not None:
-        raise ValueError(f"give window_size={window_size!r} or sliding_window={sliding_window!r}, not both")
-    if sliding_window is not None:
-        return hf_window(sliding_window, causal)
-    if window_size is not None:
-        return check_window(window_size, causal)
-    return None
 
 
 _KEEP = object()  # configure(): leave a setting as it is
@@ -113,6 +99,7 @@ class DistributedAttention(torch.nn.Module):
             )
         self.window_size = None
         self.ulysses_groups = None  # (inner, outer): hierarchical CP, see configure()
+        self.layout, self.backend = "striped", "auto"
         self.configure(layout=layout, backend=backend, window_size=window_size, sliding_window=sliding_window)
 
     def configure(self, layout: str | None = None, backend: str | None = None,
@@ -125,17 +112,26 @@ class DistributedAttention(torch.nn.Module):
         :func:`striped_sp.ulysses_ring_groups` (Ulysses inside, the ring across)."""
         if ulysses_groups is not _KEEP:  # None: the plain ring
             self.ulysses_groups = ulysses_groups
-        window = _as_window(window_size, sliding_window, self.causal)
+        window = window_of(window_size, sliding_window, self.causal)
         if window is not None:
             self.window_size = window
-        if layout is not None:
-            layout = ALGOS.get(layout, layout)
-            get_layout(layout)
-            self.layout = layout
-        if backend is not None:
-            if backend not in BACKENDS:
-                raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
-            self.backend = backend
+        layout = self.layout if layout is None else ALGOS.get(layout, layout)
+        backend = self.backend if backend is None else backend
+        RingRequest(self.spg, layout=layout, backend=backend)  # ValueError for an unknown layout or backend
+        self.layout, self.backend = layout, backend
+
+    def _module_request(self) -> RingRequest:
+        """The one request of this module (layout, causal, scale, backend, window, groups), built
+        again only when one of those attributes changed; a forward derives a call's own documents
+        or window from it and passes q, k, v."""
+        key = (self.spg, self.layout, self.causal, self.softmax_scale, self.backend, self.window_size,
+               self.ulysses_groups)
+        cached = getattr(self, "_request", None)
+        if cached is None or cached[0] != key:
+            cached = self._request = (key, RingRequest(
+                self.spg, layout=self.layout, causal=self.causal, softmax_scale=self.softmax_scale,
+                backend=self.backend, window_size=self.window_size, ulysses_groups=self.ulysses_groups))
+        return cached[1]
 
     def extra_repr(self) -> str:
         window = "" if self.window_size is None else f", window_size={self.window_size}"
@@ -167,16 +163,17 @@ class DistributedAttention(torch.nn.Module):
                 raise ValueError(f"{name} must be a 4-dim tensor, got shape {tuple(getattr(t, 'shape', ()))}")
         seq_dim = 1 - batch_dim_idx
         cu_seqlens = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
-        window = _as_window(kwargs.get("window_size"), kwargs.get("sliding_window"), self.causal) or self.window_size
+        window = window_of(kwargs.get("window_size"), kwargs.get("sliding_window"), self.causal)
+        request = self._module_request()
+        if window is not None and window != self.window_size:
+            request = request.derive(window_size=window)
+        if cu_seqlens is not None:
+            request = request.derive(cu_seqlens=cu_seqlens)
         if rotary_pos_emb is not None:
             cos = self._local_rotary(rotary_pos_emb[0], query.size(seq_dim), seq_dim, cu_seqlens)
             sin = self._local_rotary(rotary_pos_emb[1], query.size(seq_dim), seq_dim, cu_seqlens)
             query, key = _apply_rotary(query, cos, sin), _apply_rotary(key, cos, sin)
         if batch_dim_idx == 1:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        out = ring_attention(
-            query, key, value, self.spg, layout=self.layout, causal=self.causal,
-            softmax_scale=self.softmax_scale, backend=self.backend, cu_seqlens=cu_seqlens, window_size=window,
-            ulysses_groups=self.ulysses_groups,
-        )
+        out = request(query, key, value)
         return out.transpose(0, 1) if batch_dim_idx == 1 else out

@@ -25,21 +25,19 @@ transformers' registry itself is.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
 
-from ..attention import ring_attention
-from ..kernels import BACKENDS
-from ..layouts import get_layout, positions
+from ..agreement import CHECK_RANKS_ENV, agreeing, per_call_checks_enabled
+from ..layouts import positions
+from ..masks import as_bounds
 from ..packing import document_positions
+from ..request import RingRequest, window_of
 
 __all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "hf_window", "register_hf_attention"]
 
 ATTN_IMPLEMENTATION = "striped_sp"
-#: set to 1 to make every rank raise when any rank's checks fail (also read by ``ring_attention``)
-CHECK_RANKS_ENV = "STRIPED_SP_CHECK_RANKS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +47,17 @@ class _Settings:
     backend: str
     check_positions: bool
     ulysses_groups: Any = None
+    #: (causal, scaling, window) -> the layer kind's RingRequest, built on first use
+    requests: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def request(self, causal: bool, scaling, window) -> RingRequest:
+        key = (causal, scaling, window)
+        found = self.requests.get(key)
+        if found is None:
+            found = self.requests[key] = RingRequest(
+                self.group, layout=self.layout, causal=causal, softmax_scale=scaling, backend=self.backend,
+                window_size=window, ulysses_groups=self.ulysses_groups)
+        return found
 
 
 _ACTIVE: _Settings | None = None
@@ -84,9 +93,7 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
     Returns ``model``.
     """
     global _ACTIVE
-    get_layout(layout)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
+    RingRequest(group, layout=layout, backend=backend)  # ValueError for an unknown layout or backend
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(
             f"{type(model).__name__} is not a transformers PreTrainedModel (no set_attn_implementation)"
@@ -156,47 +163,33 @@ def _check_positions(position_ids, local_len: int, settings: _Settings, cu_seqle
 
 
 def _boundaries(kwargs: dict):
-    """The global document boundaries from ``cu_seq_lens_q/k`` (``None`` without them)."""
+    """The global document boundaries from ``cu_seq_lens_q/k`` (``None`` without them), as a tuple
+    of ints: compared and read once per batch (the same tensors reach every layer)."""
+    global _BATCH
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None or cu_k is None:
-        return cu_q if cu_k is None else cu_k
-    same = (torch.equal(cu_q, cu_k) if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
-            else list(cu_q) == list(cu_k))
-    if not same:
-        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: causal self-attention over packed documents "
-                         "needs one set of boundaries (of the global row)")
-    return cu_q
+    if cu_q is None and cu_k is None:
+        return None
+    versions = tuple(getattr(t, "_version", None) for t in (cu_q, cu_k))
+    if _BATCH is not None and _BATCH[0] is cu_q and _BATCH[1] is cu_k and _BATCH[2] == versions:
+        return _BATCH[3]
+    if cu_q is not None and cu_k is not None:
+        same = (torch.equal(cu_q, cu_k) if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+                else list(cu_q) == list(cu_k))
+        if not same:
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: causal self-attention over packed documents "
+                             "needs one set of boundaries (of the global row)")
+    bounds = as_bounds(cu_q if cu_k is None else cu_k)
+    _BATCH = (cu_q, cu_k, versions, bounds)  # holds the tensors: their ids cannot be reused meanwhile
+    return bounds
 
 
-def _agree_on_errors(error: ValueError | None, group, device) -> None:
-    """Raise ``error``; with ``STRIPED_SP_CHECK_RANKS=1`` first tell the group's other ranks (one
-    small all-reduce per call), so that they raise too instead of waiting in the ring."""
-    import torch.distributed as dist
-
-    if os.environ.get(CHECK_RANKS_ENV, "0") in ("", "0") or not dist.is_available() or not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
-    failed = torch.tensor([0 if error is None else 1], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if error is not None:
-        raise error
-    if int(failed):
-        raise ValueError("striped_sp attention: the argument checks failed on another rank of the group "
-                         "(its own ValueError says why); no rank started the ring")
+_BATCH = None  # (cu_seq_lens_q, cu_seq_lens_k, their versions, bounds) of the batch seen last
 
 
 def hf_window(sliding_window, causal: bool = True):
-    """transformers' ``sliding_window=W`` as ``window_size=(W - 1, 0)``; ``None`` without one."""
-    if sliding_window is None:
-        return None
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (a query sees itself and "
-                         "the sliding_window - 1 keys before it)")
-    if not causal:
-        raise ValueError(f"sliding_window={sliding_window} on a non-causal attention layer: the ring engine "
-                         "runs transformers' sliding windows for causal layers only (give window_size=(left, right))")
-    return (sliding_window - 1, 0)
+    """transformers' ``sliding_window=W`` as ``window_size=(W - 1, 0)``; ``None`` without one
+    (:func:`striped_sp.request.window_of`)."""
+    return window_of(None, sliding_window, causal)
 
 
 def hf_attention_forward(
@@ -225,20 +218,19 @@ def hf_attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by the ring engine yet: use a model without it")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    error = None
-    try:
+    # with $STRIPED_SP_CHECK_RANKS=1 / always every rank learns of another's failed check (one small
+    # exchange per call), instead of waiting for it in the ring
+    import torch.distributed as dist
+
+    enabled = per_call_checks_enabled() and dist.is_available() and dist.is_initialized()
+    with agreeing(settings.group, what="striped_sp attention", device=query.device, enabled=enabled, cached=False):
         _check_mask(attention_mask)
         window = hf_window(kwargs.get("sliding_window"), causal)
         cu_seqlens = _boundaries(kwargs)
         position_ids = kwargs.get("position_ids")
         if settings.check_positions and position_ids is not None and getattr(module, "layer_idx", 0) == 0:
             _check_positions(position_ids, query.size(2), settings, cu_seqlens)
-    except ValueError as err:
-        error = err
-    _agree_on_errors(error, settings.group, query.device)
-    out = ring_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), settings.group,
-        layout=settings.layout, causal=causal, softmax_scale=scaling, backend=settings.backend,
-        cu_seqlens=cu_seqlens, window_size=window, ulysses_groups=settings.ulysses_groups,
-    )
-    return out, None
+        request = settings.request(causal, scaling, window)
+        if cu_seqlens is not None:
+            request = request.derive(cu_seqlens=cu_seqlens)
+    return request(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)), None

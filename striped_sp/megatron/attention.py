@@ -18,14 +18,14 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..attention import ring_attention
+from ..agreement import agreeing
 from ..layouts import get_layout, positions
+from ..request import RingRequest
 from . import packed
 from .arguments import kernel_backend_of, layout_of
 
@@ -254,14 +254,22 @@ class ContextParallelAttention(MegatronModule):
         (:meth:`striped_sp.layouts.Layout.flattens_rows`)."""
         return self._layout.flattens_rows(local_len)
 
+    def _request(self, causal: bool) -> RingRequest:
+        """This layer's ring request for ``causal`` (built once; again only if a setting changed)."""
+        key = (causal, self.cp_group, self.layout, self.softmax_scale, self.backend, self.window_size,
+               self.deterministic, self.ulysses_groups)
+        requests = self.__dict__.setdefault("_requests", {})
+        request = requests.get(key)
+        if request is None:
+            request = requests[key] = RingRequest(
+                self.cp_group, layout=self.layout, causal=causal, softmax_scale=self.softmax_scale,
+                backend=self.backend, window_size=self.window_size, deterministic=self.deterministic,
+                ulysses_groups=self.ulysses_groups)
+        return request
+
     def _ring(self, q, k, v, causal: bool, cu_seqlens):
-        return ring_attention(
-            q, k, v, self.cp_group,
-            layout=self.layout, causal=causal,
-            softmax_scale=self.softmax_scale, backend=self.backend,
-            cu_seqlens=cu_seqlens, window_size=self.window_size, deterministic=self.deterministic,
-            ulysses_groups=self.ulysses_groups,
-        )
+        request = self._request(causal)
+        return (request if cu_seqlens is None else request.derive(cu_seqlens=cu_seqlens))(q, k, v)
 
 
 class ContextParallelAttentionTEState(ContextParallelAttention):
@@ -320,28 +328,25 @@ def _layer_window(config, layer_number: int):
 def _vet_local_mask(mask: torch.Tensor, group, layout: str, local_len: int):
     """A mask that did not come through our batch slicing: accept it only if its local rows are
     the plain causal mask (what the ring runs); documents need :func:`get_batch_on_this_cp_rank`.
-    Once per mask object; the ranks agree (one small all-reduce) before any of them raises, so a
-    rank whose rows look causal never waits in the ring for one that refused."""
+    Once per mask object; the ranks agree (:func:`striped_sp.agreement.agreeing`, one small exchange)
+    before any of them raises, so a rank whose rows look causal never waits in the ring for one that
+    refused."""
     size = _group_size(group)
     rank = 0 if group is None else group.rank()
-    error = None
-    try:
-        rows = positions(local_len * size, size, rank, layout).to(mask.device)
-        m = mask[:, 0] if mask.dim() == 4 else mask
-        if m.dim() != 3 or m.size(1) != local_len or m.size(2) != local_len * size:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}: expected [b, 1, {local_len}, "
-                             f"{local_len * size}] (this rank's query rows, every key)")
-        documents = packed.documents_from_mask(mask, rows=rows)
-        if any(len(b) > 2 for b in documents):
-            raise ValueError("its rows hold document starts")
-    except ValueError as err:
-        error = err
-    if size > 1:
-        failed = torch.tensor([0 if error is None else 1], device=mask.device)
-        dist.all_reduce(failed, group=group)
-        if error is None and int(failed):
-            error = ValueError("another rank's rows of it are not plain causal")
-    if error is not None:
+    what = "attention_mask"
+    try:  # the ranks meet on every new mask (one small exchange), so all raise if any does
+        with agreeing(group, what=what, device=mask.device, enabled=size > 1, cached=False):
+            rows = positions(local_len * size, size, rank, layout).to(mask.device)
+            m = mask[:, 0] if mask.dim() == 4 else mask
+            if m.dim() != 3 or m.size(1) != local_len or m.size(2) != local_len * size:
+                raise ValueError(f"attention_mask has shape {tuple(mask.shape)}: expected [b, 1, {local_len}, "
+                                 f"{local_len * size}] (this rank's query rows, every key)")
+            documents = packed.documents_from_mask(mask, rows=rows)
+            if any(len(b) > 2 for b in documents):
+                raise ValueError("its rows hold document starts")
+    except ValueError as error:
+        if str(error).startswith(f"{what}: the argument checks failed on another rank"):
+            error = "another rank's rows of it are not plain causal"
         raise ValueError(
             f"attention_mask is not plain causal ({error}) and did not come through striped_sp's batch "
             "slicing, which reads --reset-attention-mask documents from the full mask: slice batches with "

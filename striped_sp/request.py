@@ -1,0 +1,393 @@
+"""The ring request: every argument of a ring-attention call but q, k, v, checked in one place.
+
+An adapter builds a :class:`RingRequest` once per module (layout, causal, scale, kernel backend,
+window, Ulysses groups, deterministic mode, grad_comm_dtype, timeout), and once per batch the
+document boundaries (:meth:`RingRequest.derive`); each call then passes only ``q``, ``k``, ``v``
+(``[batch, s_local, heads, head_dim]``).  :func:`ring_attention` is the same request built for
+one call.
+
+What is checked when (every ``ValueError`` names the value and the rule):
+
+* building: the layout, ``softmax_scale``, ``backend`` (by name), ``ulysses_size``, the window
+  (flash-attn's ``window_size=(left, right)`` or transformers' ``sliding_window=W``) and the form
+  of ``cu_seqlens`` (1-D integers);
+* each call, before any rank sends a message: q/k/v shapes, dtypes and devices; the kernel for the
+  device, dtype and head dim (cached); the mask on the global row (cached per local length); the
+  Ulysses groups (once); then the cross-rank agreement (:mod:`striped_sp.agreement`: one small
+  exchange per new signature, nothing afterwards).  A call whose checks fail tells the group's
+  other ranks before it raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .agreement import agree, agreeing, check_ranks_enabled
+from .attention import _RingAttention
+from .kernels import BACKENDS, Kernel, accumulator_dtype, gqa_probe_enabled, resolve_kernel
+from .layouts import Layout, get_layout
+from .masks import MaskSpec, as_bounds, check_window, make_mask
+from .ring import ring_timeout
+from .step import strict_block_mode
+from .ulysses import GroupedLayout, check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads, ulysses_ring_groups
+
+__all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of"]
+
+_UNSET = object()
+_DERIVED = 8  # derived requests (documents, windows) kept per request: a few batches' worth
+
+
+def window_of(window_size=None, sliding_window=None, causal: bool = True):
+    """The one window of a call, from either convention: ``window_size=(left, right)`` (flash-attn,
+    ``-1`` = no limit) or transformers' ``sliding_window=W`` (a query sees itself and the ``W - 1``
+    keys before it: ``(W - 1, 0)``); ``None`` without one.  ``ValueError`` naming the value."""
+    if window_size is not None and sliding_window is not None:
+        raise ValueError(f"give window_size={window_size!r} or sliding_window={sliding_window!r}, not both")
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (a query sees itself and "
+                             "the sliding_window - 1 keys before it)")
+        if not causal:
+            raise ValueError(f"sliding_window={sliding_window} on a non-causal attention layer: the ring engine "
+                             "runs transformers' sliding windows for causal layers only (give window_size=(left, right))")
+        return (int(sliding_window) - 1, 0)
+    if window_size is None:
+        return None
+    return check_window(window_size, causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What one call runs: the checked, per-shape parts of a request."""
+
+    kernel: Kernel
+    scale: float
+    mask: MaskSpec | None
+    comm: torch.dtype
+    strict_block: str
+    ulysses: int  # 1: the plain ring
+
+
+class RingRequest:
+    """A ring-attention call without its tensors; ``request(q, k, v)`` runs it.
+
+    Args as :func:`ring_attention` (all keyword-only but ``group``), plus ``sliding_window``
+    (transformers' convention, instead of ``window_size``).  ``group=None``: the default group,
+    looked up at the call.  Building sends nothing and raises ``ValueError`` for a bad argument;
+    a request is immutable: :meth:`derive` gives one with other documents or another window.
+    """
+
+    def __init__(self, group=None, *, layout="striped", causal: bool = True, softmax_scale: float | None = None,
+                 backend: str = "auto", cu_seqlens=None, window_size=None, sliding_window=None,
+                 deterministic: bool = False, ulysses_size: int = 1, ulysses_groups=None,
+                 grad_comm_dtype: torch.dtype | None = None, timeout: float | None = None,
+                 stripe_size: int | None = None, doc_placement=None):
+        self.group = group
+        self.layout: Layout = get_layout(layout, stripe_size, doc_placement)
+        self.causal = bool(causal)
+        if softmax_scale is not None and not float(softmax_scale) > 0:
+            raise ValueError(f"softmax_scale={softmax_scale} must be positive")
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
+        self.backend = backend
+        self.window = window_of(window_size, sliding_window, self.causal)
+        self.bounds = None if cu_seqlens is None else as_bounds(cu_seqlens)
+        self.deterministic = bool(deterministic)
+        if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
+            raise ValueError(f"ulysses_size={ulysses_size!r} must be a positive int")
+        self.ulysses_size, self.ulysses_groups = ulysses_size, ulysses_groups
+        self.hierarchical = ulysses_size != 1 or ulysses_groups is not None
+        self.grad_comm_dtype = grad_comm_dtype
+        if timeout is not None:
+            ring_timeout(timeout)  # ValueError for a bad value
+        self.timeout = timeout  # resolved at each call (set_ring_timeout may change the default)
+        self._calls: dict = {}  # (shapes, dtype, device) -> _Call: kernel, scale, mask, ...
+        self._derived: dict = {}
+        self._groups_checked = False
+
+    def derive(self, *, cu_seqlens=_UNSET, window_size=_UNSET) -> "RingRequest":
+        """This request with other document boundaries and/or another window (``None``: none);
+        kept in a small cache, so a batch's documents are checked once for all its layers."""
+        key = (None if cu_seqlens is _UNSET else ("cu", None if cu_seqlens is None else as_bounds(cu_seqlens)),
+               None if window_size is _UNSET else ("w", window_of(window_size, None, self.causal)))
+        found = self._derived.get(key)
+        if found is not None:
+            return found
+        new = object.__new__(RingRequest)
+        new.__dict__.update(self.__dict__)
+        new._calls, new._derived = {}, {}
+        if key[0] is not None:
+            new.bounds = key[0][1]
+        if key[1] is not None:
+            new.window = key[1][1]
+        if len(self._derived) >= _DERIVED:
+            self._derived.pop(next(iter(self._derived)))
+        self._derived[key] = new
+        return new
+
+    def _group(self):
+        if self.group is not None:
+            return self.group
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("no process group initialized: call torch.distributed.init_process_group() "
+                             "or pass group=")
+        return dist.group.WORLD
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[batch, s_local, heads, v_head_dim]`` in ``q.dtype`` (see :func:`ring_attention`)."""
+        group = self._group()
+        check_ranks = check_ranks_enabled()
+        timeout = ring_timeout(self.timeout)
+        device = q.device if isinstance(q, torch.Tensor) else None
+        with agreeing(group, device=device, timeout=timeout, enabled=check_ranks):
+            call = self._prepare(q, k, v, group)
+        if check_ranks:
+            self._agree(q, k, v, group, call, timeout)
+        value_dim = v.size(-1)
+        q, k, v = _equal_head_dims(q, k, v, call.kernel)
+        args = (call.scale, call.kernel, call.mask, call.comm, call.strict_block, timeout)
+        if call.ulysses == 1 and not self.hierarchical:
+            return _value_columns(_RingAttention.apply(q, k, v, group, self.layout, self.causal, *args), value_dim)
+        u = call.ulysses
+        inner, outer = self.ulysses_groups if self.ulysses_groups is not None else ulysses_ring_groups(
+            [dist.get_process_group_ranks(group)], u)
+        if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
+            k, v = (t.repeat_interleave(u // k.size(2), dim=2) for t in (k, v))
+        q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
+        out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(self.layout, u), self.causal, *args)
+        return _value_columns(heads_to_seq(out, inner, u), value_dim)
+
+    def _prepare(self, q, k, v, group) -> _Call:
+        """Every check of one call (nothing sent); the shape-dependent results cached."""
+        _check_inputs(q, k, v, self.layout)
+        if self.bounds is not None and q.size(0) != 1:
+            raise ValueError(
+                f"cu_seqlens needs batch size 1 (one packed row, the THD convention), got batch {q.size(0)}: "
+                "pack the rows into one, or call once per row")
+        key = (q.shape, k.shape, v.shape, q.dtype, q.device)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = self._build_call(q, k, v, group)
+        gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
+        # the environment may change between calls: the strict block form is read each time
+        strict = strict_block_mode(call.kernel, q.device, q.dtype, max(q.size(-1), v.size(-1)), applies=(
+            self.layout.name == "striped" and self.layout.dense_plans and self.causal and self.bounds is None
+            and self.window is None and not self.hierarchical))
+        return call if strict == call.strict_block else dataclasses.replace(call, strict_block=strict)
+
+    def _build_call(self, q, k, v, group) -> _Call:
+        call_dim = max(q.size(-1), v.size(-1))  # the kernels' head dim once padded (MLA)
+        kernel = resolve_kernel(self.backend, q.device, q.dtype, call_dim, deterministic=self.deterministic)
+        comm = accumulator_dtype(q.dtype) if self.grad_comm_dtype is None else self.grad_comm_dtype
+        if comm not in (torch.float32, torch.bfloat16, torch.float16, accumulator_dtype(q.dtype)):
+            raise ValueError(f"grad_comm_dtype={self.grad_comm_dtype} must be torch.float32, torch.bfloat16 or "
+                             "torch.float16 (or torch.float64 with float64 inputs)")
+        scale = q.size(-1) ** -0.5 if self.softmax_scale is None else self.softmax_scale
+        n = dist.get_world_size(group)
+        u = 1
+        if self.hierarchical:
+            if self.ulysses_groups is not None and not self._groups_checked:
+                check_ulysses_groups(group, self.ulysses_groups, self.ulysses_size)
+                self._groups_checked = True
+            u = self.ulysses_size if self.ulysses_groups is None else self.ulysses_groups[0].size()
+            check_ulysses(u, n, q.size(2), k.size(2))
+            if self.ulysses_groups is None and n != dist.get_world_size():
+                raise ValueError(
+                    f"ulysses_size={u} on a group of {n} of the {dist.get_world_size()} ranks: build its "
+                    "groups once on every rank with striped_sp.ulysses_ring_groups(...) and pass "
+                    "ulysses_groups=(inner, outer)")
+        mask = self._mask(q.size(1), n)
+        if mask is not None and kernel.varlen_unavailable_reason() is not None:
+            what = "hierarchical CP (ulysses_size > 1 runs the varlen plans)" if self.hierarchical else \
+                "cu_seqlens / window_size"
+            raise ValueError(f"backend {kernel.name!r} cannot run {what}: {kernel.varlen_unavailable_reason()}")
+        return _Call(kernel, scale, mask, comm, "sliced", u)
+
+    def _mask(self, local_len: int, n: int) -> MaskSpec | None:
+        """The checked mask of the global row, or ``None`` when it is the plain (causal or full) one
+        and the layout has dense plans for it (the hierarchical ring always runs masked plans)."""
+        mask = None
+        if self.hierarchical or self.bounds is not None or self.window is not None or not self.layout.dense_plans:
+            mask = make_mask(local_len * n, n, self.layout, self.bounds, self.window, self.causal)
+            plain = mask.bounds == (0, mask.seq_len) and mask.left == -1 and mask.right == (0 if self.causal else -1)
+            if plain and self.layout.dense_plans and not self.hierarchical:
+                mask = None
+        return mask
+
+    def _agree(self, q, k, v, group, call: _Call, timeout) -> None:
+        """Every rank of ``group`` passed the same signature (:func:`striped_sp.agreement.agree`: one
+        small exchange the first time the group sees it, nothing afterwards); else a ``ValueError`` on
+        every rank naming the field and both values."""
+        mask = call.mask
+        fields = [
+            ("q.shape", q.shape), ("k.shape", k.shape), ("v.shape", v.shape), ("dtype", q.dtype),
+            ("device type", q.device.type), ("layout", self.layout.key), ("causal", self.causal),
+            ("softmax_scale", call.scale),
+            ("cu_seqlens", None if mask is None else mask.bounds),
+            ("window_size", None if mask is None else (mask.left, mask.right)),
+            ("ulysses_size", call.ulysses), ("backend", call.kernel.name), ("grad_comm_dtype", call.comm),
+            ("deterministic", self.deterministic),
+        ]
+        agree(group, fields, what="ring_attention", device=q.device, timeout=timeout, enabled=True)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}: expected 4 dims [batch, s_local, heads, head_dim]"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must match in batch, s_local and kv heads, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)} (only the head dim may differ)")
+    if v.size(3) == 0:
+        raise ValueError(f"v has shape {tuple(v.shape)}: its head dim must be positive")
+    if q.size(0) != k.size(0):
+        raise ValueError(f"batch sizes differ: q has {q.size(0)}, k and v have {k.size(0)}")
+    if q.size(3) != k.size(3):
+        raise ValueError(f"head_dim differs: q has {q.size(3)}, k and v have {k.size(3)}")
+    if q.size(1) != k.size(1):
+        raise ValueError(f"local sequence lengths differ: q has {q.size(1)}, k and v have {k.size(1)}")
+    heads, kv_heads = q.size(2), k.size(2)
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+    layout.check_local_len(q.size(1))
+
+
+def _equal_head_dims(q, k, v, kernel: Kernel):
+    """q, k, v with one head dim for a kernel without :attr:`~striped_sp.kernels.Kernel.native_value_head_dim`
+    (multi-latent attention): v zero-padded to q/k's head dim, or q and k to v's.  Exact: zero
+    columns of q and k add nothing to a score (the scale was fixed before), and zero columns of v
+    give zero output columns, which :func:`_value_columns` drops (autograd drops their gradient)."""
+    d, dv = q.size(-1), v.size(-1)
+    if d == dv or kernel.native_value_head_dim:
+        return q, k, v
+    if dv < d:
+        return q, k, F.pad(v, (0, d - dv))
+    return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v
+
+
+def _value_columns(out: torch.Tensor, value_dim: int) -> torch.Tensor:
+    """``out`` without the columns of a padded v (contiguous, as the ring returns it)."""
+    return out if out.size(-1) == value_dim else out[..., :value_dim].contiguous()
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: str = "striped",
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    cu_seqlens: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
+    deterministic: bool = False,
+    ulysses_size: int = 1,
+    ulysses_groups: tuple | None = None,
+    grad_comm_dtype: torch.dtype | None = None,
+    timeout: float | None = None,
+    stripe_size: int | None = None,
+    doc_placement=None,
+) -> torch.Tensor:
+    """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
+
+    Args:
+        q: ``[batch, s_local, heads, head_dim]``, this rank's queries (float16/bfloat16/float32, or
+            float64: then computed in float64 throughout, for references; the math or CPU kernels).
+        k, v: ``[batch, s_local, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads``.  v may
+            have its own head dim ``v_head_dim`` (multi-latent attention); a kernel that needs one
+            head dim (:attr:`~striped_sp.kernels.Kernel.native_value_head_dim` false: PyTorch's
+            fused ops, flash-attn 2) gets v zero-padded to q/k's at ring entry (or q and k to v's
+            when v's is larger) and the output sliced back: exact, at the price of the padded
+            columns travelling the ring.
+        group: the context-parallel process group (default: the default group).
+        layout: ``"striped"``, ``"zigzag"`` or ``"contiguous"``: how tokens were sharded
+            (see :func:`striped_sp.shard`).
+        causal: causal mask on *global* positions.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        backend: ``"auto"``, ``"torch"``, ``"torch_cudnn"``, ``"flash_attn"`` or ``"math"``.
+        cu_seqlens: packed documents: 1-D integer boundaries ``[0, l1, l1+l2, ..., S]`` on the
+            *global* row of ``S = s_local * world_size`` tokens (the THD convention), the same on
+            every rank; needs ``batch == 1``.  A query attends to its own document only.  Under
+            ``zigzag`` every document must be a multiple of ``2 * world_size`` long
+            (:func:`striped_sp.pad_documents`).
+        window_size: ``(left, right)`` sliding window (flash-attn / Megatron convention): a query at
+            global position ``p`` sees keys ``p-left .. p+right``; ``-1`` = no limit; ``right`` must
+            be 0 when ``causal``.  Hugging Face's ``sliding_window=W`` is ``(W - 1, 0)``.
+        deterministic: bitwise-reproducible backward (Megatron's ``--deterministic-mode``): the
+            ring's order is fixed; on CUDA the kernel must be flash-attn (its deterministic mode)
+            or ``math``; PyTorch's fused CUDA ops are refused with a ``ValueError``.
+        ulysses_size: ``u > 1`` runs hierarchical CP (:mod:`striped_sp.ulysses`): an all-to-all
+            over heads inside groups of ``u`` consecutive ranks of ``group``, the ring across
+            them.  The inputs stay sharded by ``shard(x, N, rank, layout)`` over the whole group.
+            ``u`` must divide ``N`` and ``heads``; kv heads must divide by ``u`` or divide it.  Every
+            rank must pass the same ``u``: as for shapes, ranks that disagree all raise a ``ValueError``
+            (the cross-rank check below).
+        ulysses_groups: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` (needed
+            when ``group`` is not the default group, whose groups are built on first use), or
+            Megatron's hierarchical CP groups; ``outer=None`` with ``inner`` = ``group``: pure
+            Ulysses.
+
+        stripe_size, doc_placement: parameters of the striped layout (also accepted in the name,
+            ``layout="striped:stripe=128,place=auto"``): tokens dealt in stripes of ``stripe_size``,
+            and with ``cu_seqlens`` documents kept whole on one rank (``"auto"`` or an int, the
+            longest whole document) or striped (``"split"``, the default); see
+            :mod:`striped_sp.placement`.  Shard with the same parameters.
+        grad_comm_dtype: the dtype dK/dV travel the ring in during backward (default float32:
+            every hop adds in fp32, so the error does not grow with the ring size); bfloat16 or
+            float16 halve those bytes at the cost of one rounding per hop (docs/benchmarks.md,
+            section 8 has the measured error against N).
+        timeout: seconds a rank waits for a ring transfer (or the ranks' agreement) before it
+            raises ``TimeoutError`` naming itself, the peer and the step; default
+            :func:`striped_sp.ring.ring_timeout` (``$STRIPED_SP_RING_TIMEOUT_S``, else 600).  CPU
+            tensors (gloo); on CUDA the process group's own timeout applies.
+
+    Returns:
+        ``[batch, s_local, heads, v_head_dim]`` in ``q.dtype``: the rows of the full attention that
+        belong to the local queries.  Differentiable in ``q``, ``k`` and ``v``.
+
+    Every argument is checked before any message is sent; bad ones raise ``ValueError``.
+    The first call with a new signature (shapes, dtype, layout, mask, window, causal, scale, Ulysses
+    size, kernel, grad_comm_dtype, deterministic) also checks, with one small exchange cached
+    afterwards (:mod:`striped_sp.agreement`), that every rank of the group passed the same; ranks that
+    disagree all raise a ``ValueError`` naming the field.  ``STRIPED_SP_CHECK_RANKS=0`` turns it off.
+    """
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "no process group initialized: call torch.distributed.init_process_group() "
+                "or pass group="
+            )
+        group = dist.group.WORLD
+    check_ranks = check_ranks_enabled()
+    ring_to = ring_timeout(timeout)
+    with agreeing(group, device=q.device if isinstance(q, torch.Tensor) else None, timeout=ring_to,
+                  enabled=check_ranks):
+        request = RingRequest(group, layout=layout, causal=causal, softmax_scale=softmax_scale, backend=backend,
+                              cu_seqlens=cu_seqlens, window_size=window_size, deterministic=deterministic,
+                              ulysses_size=ulysses_size, ulysses_groups=ulysses_groups,
+                              grad_comm_dtype=grad_comm_dtype, timeout=timeout, stripe_size=stripe_size,
+                              doc_placement=doc_placement)
+    return request(q, k, v)
+
+
+def striped_attention(q, k, v, group=None, **kwargs) -> torch.Tensor:
+    """:func:`ring_attention` with ``layout="striped"``."""
+    if "layout" in kwargs:
+        raise ValueError("striped_attention fixes layout='striped'; call ring_attention for another layout")
+    return ring_attention(q, k, v, group, layout="striped", **kwargs)

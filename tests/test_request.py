@@ -1,0 +1,220 @@
+"""The ring request (striped_sp/request.py): built once, called with q/k/v only, exact against the
+float64 reference; its checks run once per shape / per batch; the agreement helpers; the layout
+facts and the one algo table the adapters use; the kernels package has no import circle."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import striped_sp
+from dist_helper import check_case, run_cases
+from reference import reference_attention, sharded_errors
+from seeds import seed_for
+from striped_sp import agreement, request as request_mod
+from striped_sp.layouts import ALGOS, LAYOUTS, get_layout, positions
+from striped_sp.request import RingRequest, window_of
+
+SEED = seed_for(__name__)
+WORLD = 2
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _inputs(seq, seed, h=4, kvh=2, d=8):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, seq, heads, d, generator=gen, dtype=torch.float64) * 0.7 for heads in (h, kvh, kvh)]
+
+
+def _run(request, full, layout, cu_seqlens=None):
+    """One call of ``request`` on this rank's shards of ``full`` (q, k, v, dout); errors vs the
+    float64 reference of the whole sequence."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, do = full
+    shard = lambda t: striped_sp.shard(t, n, rank, layout=layout, cu_seqlens=cu_seqlens)  # noqa: E731
+    local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+    out = request(*local)
+    out.backward(shard(do))
+    window = request.window
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*ref_in, request.causal, q.size(-1) ** -0.5, cu_seqlens, window)
+    ref.backward(do)
+    return sharded_errors(out, local, ref, ref_in, shard)
+
+
+def check_built_once_called_many(layout):
+    """One request, three batches of fresh inputs, then the same request with a batch's documents
+    and with another window: exact each time; the kernel is resolved and the mask built once per
+    shape, and an agreed request sends nothing more."""
+    seq = 2 * 3 * 10  # 60 tokens: 30 per rank, fits zigzag (2N) and every stripe-free layout
+    req = RingRequest(None, layout=layout, backend="math")
+    resolved, masks = [], []
+    real_resolve, real_mask = request_mod.resolve_kernel, request_mod.make_mask
+    request_mod.resolve_kernel = lambda *a, **kw: resolved.append(a) or real_resolve(*a, **kw)
+    request_mod.make_mask = lambda *a, **kw: masks.append(a) or real_mask(*a, **kw)
+    try:
+        for i in range(3):
+            full = _inputs(seq, SEED + i) + [_inputs(seq, SEED + 10 + i)[0]]
+            for name, err in _run(req, full, layout).items():
+                assert err < 1e-10, (layout, i, name, err)
+        assert len(resolved) == 1, resolved
+        cu = [0, 12, 40, 60] if layout == "zigzag" else [0, 7, 33, 60]
+        docs = req.derive(cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+        assert req.derive(cu_seqlens=cu) is docs, "a batch's documents were not kept for its next layer"
+        for i in range(2):
+            full = _inputs(seq, SEED + 20 + i) + [_inputs(seq, SEED + 30 + i)[0]]
+            for name, err in _run(docs, full, layout, cu).items():
+                assert err < 1e-10, (layout, "documents", i, name, err)
+        assert len(masks) == 1, f"the documents were checked {len(masks)} times for two calls"
+        windowed = req.derive(window_size=(9, 0))
+        assert windowed.window == (9, 0) and req.window is None
+        full = _inputs(seq, SEED + 40) + [_inputs(seq, SEED + 41)[0]]
+        for name, err in _run(windowed, full, layout).items():
+            assert err < 1e-10, (layout, "window", name, err)
+    finally:
+        request_mod.resolve_kernel, request_mod.make_mask = real_resolve, real_mask
+
+
+def check_per_call_agreement_meets_every_time():
+    """``agreeing(cached=False)``: a rank whose checks pass still meets a rank whose checks failed,
+    call after call (the cached exchange would let it skip the second time)."""
+    rank = dist.get_rank()
+    for _ in range(2):
+        match = "bad on rank 1" if rank == 1 else r"checks failed on another rank of the group, rank\(s\) \[1\]"
+        with pytest.raises(ValueError, match=match):
+            with agreement.agreeing(None, what="test", enabled=True, cached=False):
+                if rank == 1:
+                    raise ValueError("bad on rank 1")
+    with agreement.agreeing(None, what="test", enabled=True, cached=False):
+        pass  # every rank passes: nothing raised
+    assert agreement.gather_rows(None, [rank, 7], what="test") == [[0, 7], [1, 7]]
+
+
+CASES = [(f"once_{layout}", check_built_once_called_many, (layout,)) for layout in ("striped", "zigzag", "contiguous")]
+CASES.append(("per_call_agreement", check_per_call_agreement_meets_every_time, ()))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(WORLD, CASES)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_request_on_two_ranks(results, name):
+    check_case(results, name)
+
+
+# -- single process: what building checks, with no process group -------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"layout": "ring"}, "unknown layout 'ring'"),
+    ({"backend": "cuda"}, "unknown backend 'cuda'"),
+    ({"softmax_scale": 0.0}, "softmax_scale=0.0 must be positive"),
+    ({"ulysses_size": 0}, "ulysses_size=0 must be a positive int"),
+    ({"window_size": (3, 2)}, "right must be 0 when causal=True"),
+    ({"window_size": (3, 0), "sliding_window": 4}, "not both"),
+    ({"sliding_window": 0}, "sliding_window=0 must be a positive int"),
+    ({"cu_seqlens": torch.zeros(2, 2, dtype=torch.int64)}, "must be 1-D"),
+    ({"timeout": -1}, "timeout"),
+])
+def test_building_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RingRequest(None, **kwargs)
+
+
+def test_window_conventions_are_one():
+    assert window_of(None, 5) == (4, 0) == window_of((4, 0))
+    assert window_of((3, -1), causal=False) == (3, -1) and window_of() is None
+    from striped_sp.deepspeed.hf import hf_window
+
+    assert hf_window(5) == (4, 0)
+
+
+def test_hf_boundaries_read_once_per_batch():
+    """The same cu_seq_lens tensors (every layer of one batch) are compared and read once; a new
+    batch, or the same tensor changed in place, is read again."""
+    from striped_sp.deepspeed import hf
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    assert hf._boundaries(kwargs) == (0, 5, 12)
+    cu[1] = 6  # in place: its version changes
+    assert hf._boundaries(kwargs) == (0, 6, 12)
+    reads = []
+    real = hf.as_bounds
+    hf.as_bounds = lambda x: reads.append(1) or real(x)
+    try:
+        for _ in range(4):
+            assert hf._boundaries(kwargs) == (0, 6, 12)
+        assert reads == [], "the batch's boundaries were read again for another layer"
+        other = {"cu_seq_lens_q": cu.clone(), "cu_seq_lens_k": cu.clone()}
+        assert hf._boundaries(other) == (0, 6, 12) and reads == [1]
+        with pytest.raises(ValueError, match="differ"):
+            hf._boundaries({"cu_seq_lens_q": cu, "cu_seq_lens_k": torch.tensor([0, 4, 12])})
+    finally:
+        hf.as_bounds = real
+
+
+# -- layout facts the adapters ask, and the one algo table ---------------------------------------
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag", "contiguous", "striped:stripe=3", "striped:place=2"])
+@pytest.mark.parametrize("rows, local_len", [(2, 6), (3, 4), (2, 9)])
+def test_flattens_rows_matches_brute_force(layout, rows, local_len):
+    """``flattens_rows`` iff the shard of the rows (each with two documents) laid end to end is, row
+    by row, the shard of each row (positions compared directly)."""
+    n = 2
+    lay = get_layout(layout)
+    seq = local_len * n
+    want = True
+    for row_docs in ([0, 5, seq], [0, 1, 3, seq]):
+        flat_docs = [0] + [i * seq + b for i in range(rows) for b in row_docs[1:]]
+        try:
+            per_row = [torch.cat([i * seq + positions(seq, n, r, lay, row_docs) for i in range(rows)])
+                       for r in range(n)]
+            flat = [positions(rows * seq, n, r, lay, flat_docs) for r in range(n)]
+            want &= all(torch.equal(a, b) for a, b in zip(per_row, flat))
+        except ValueError:  # documents or a row length the layout does not take
+            want = False
+    assert lay.flattens_rows(local_len) == want, (layout, rows, local_len)
+
+
+def test_flattens_rows_of_grouped_layout_is_false():
+    from striped_sp.ulysses import GroupedLayout
+
+    assert not GroupedLayout(LAYOUTS["striped"], 2).flattens_rows(8)
+
+
+def test_one_algo_table():
+    from striped_sp.deepspeed.config import ALGOS as DS_ALGOS
+    from striped_sp.deepspeed.distributed_attention import DistributedAttention
+    from striped_sp.megatron.arguments import ALGOS as MEGATRON_ALGOS
+
+    assert ALGOS["ring"] == "contiguous" and DS_ALGOS is ALGOS
+    assert MEGATRON_ALGOS == {"native": None, **ALGOS}
+    assert DistributedAttention(None, None, layout="ring").layout == "contiguous"
+    for name in ("megatron/arguments.py", "deepspeed/config.py", "deepspeed/distributed_attention.py"):
+        assert '"ring": "contiguous"' not in (ROOT / "striped_sp" / name).read_text(), name
+
+
+# -- the kernels package --------------------------------------------------------------------------
+
+def test_kernel_backends_import_only_the_base():
+    pkg = ROOT / "striped_sp" / "kernels"
+    for path in sorted(pkg.glob("*.py")):
+        if path.name in ("__init__.py", "base.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert relative <= {"base"}, (path.name, relative)
+    base = ast.parse((pkg / "base.py").read_text())
+    assert not [n for n in ast.walk(base) if isinstance(n, ast.ImportFrom) and n.level == 1], "base imports a sibling"
+
+
+def test_kernel_names_still_importable():
+    from striped_sp.kernels import (BACKENDS, KERNELS, FlashAttnKernel, Kernel, MathKernel, TorchKernel,  # noqa: F401
+                                    _DETERMINISTIC_FLASH_ATTN, _deterministic_reason, accumulator_dtype,
+                                    available_backends, gqa_probe_enabled, resolve_kernel)
+
+    assert list(KERNELS) == ["torch", "torch_cudnn", "flash_attn", "math"]
+    assert BACKENDS == ("auto", *KERNELS)
