@@ -132,6 +132,7 @@ def _sim(args) -> int:
     from .bench.common import pick_device, pick_dtype
     from .bench.report import format_table, plot_speedup, write_json
     from .bench.sim import SimConfig, simulate, work_speedup
+    from .layouts import get_layout
 
     if args.global_every:  # before any work
         from .bench.mixed import check_global_every
@@ -139,8 +140,8 @@ def _sim(args) -> int:
         check_global_every(args.global_every, args.window)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    if args.docs or args.window:
-        return _masked_sim(args, device, dtype)
+    if args.docs or args.window or not all(get_layout(lay).dense_plans for lay in args.layouts):
+        return _masked_sim(args, device, dtype)  # stripes of s > 1 have the engine's masked plans only
     points = _seq_lens(args, args.world_sizes, 4096)
     cfg = SimConfig(layouts=tuple(args.layouts), points=tuple(points), batch=args.batch, heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
@@ -186,14 +187,11 @@ def _masked_sim(args, device, dtype) -> int:
     if args.batch != 1:
         raise SystemExit(f"striped-sp bench sim: --batch {args.batch} with --docs/--window: the masked "
                          "simulation runs one packed row (batch 1)")
-    if args.every_block:
-        raise SystemExit("striped-sp bench sim: --every-block with --docs/--window: every (rank, step) "
-                         "is timed separately already")
     tprs = args.tokens_per_rank or [4096]
     cfg = SimConfig(layouts=tuple(args.layouts), world_sizes=tuple(args.world_sizes), heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
                     backend=args.backend, reps=args.reps, link_gbps=args.link_gbps, reference=not args.no_reference,
-                    progress=not args.no_progress, threads=args.threads)
+                    progress=not args.no_progress, threads=args.threads, every_block=args.every_block)
     load0 = _load()
     if args.global_every:
         from .bench.mixed import simulate_mixed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from reference import reference_mask
 from striped_sp.bench.docs import packed_row, parse_docs, visible_entries, workload
@@ -96,6 +97,26 @@ def test_masked_run_smoke(tmp_path, capsys):
 
 
 def test_masked_sim_refuses_what_it_cannot_honour():
-    for extra in (["--batch", "2"], ["--every-block"], ["--seq-lens", "64"]):
+    for extra in (["--batch", "2"], ["--seq-lens", "64"]):
         with pytest.raises(SystemExit):
             main(["bench", "sim", "--world-sizes", "2", "--docs", "fixed:4", "--device", "cpu", "--no-progress", *extra])
+
+
+def test_masked_sim_every_block_times_each_rank_step(monkeypatch):
+    """--every-block: one timing per (rank, step) even where ranks share a plan (zigzag, one
+    document of 2N chunks); without it, identical plans are timed once."""
+    from striped_sp.bench import sim_masked
+    from striped_sp.bench.sim import SimConfig
+
+    counts = {}
+
+    def fake_time(cfg, plans, inputs, clock, bar):
+        counts[cfg.every_block] = len(plans)
+        return {key: (1.0, 1.0) for key in plans}
+
+    monkeypatch.setattr(sim_masked, "_time_plans", fake_time)
+    for every in (False, True):
+        cfg = SimConfig(layouts=("zigzag",), world_sizes=(4,), heads=1, head_dim=8, dtype=torch.float32,
+                        device=torch.device("cpu"), reps=1, reference=False, progress=False, every_block=every)
+        sim_masked.simulate_masked(cfg, [16], "fixed:64", None)
+    assert counts[True] == 16 and counts[False] < 16

@@ -153,7 +153,9 @@ def add_sim(modes) -> None:
     s.add_argument("--link-gbps", type=float, default=None,
                    help="ring link bandwidth in GB/s: a step lasts max(compute, transfer)")
     s.add_argument("--every-block", action="store_true",
-                   help="time every (rank, step) block separately instead of once per distinct plan")
+                   help="time every (rank, step) block separately instead of once per distinct plan "
+                   "(fair between layouts whose ranks have distinct plans and those whose ranks share "
+                   "one: a step then takes the slowest of N timings for every layout)")
     s.add_argument("--no-reference", action="store_true",
                    help="skip the single-device full causal run (efficiency left empty)")
     s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")
