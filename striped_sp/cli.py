@@ -204,8 +204,10 @@ def _masked_sim(args, device, dtype) -> int:
           f"{args.head_dim}, documents {args.docs or 'one per row'}, window {args.window or 'none'}, "
           f"link {args.link_gbps or 'inf'} GB/s; load average before/after {load0} / {_load()}\n"
           + ("clock: CPU time of the one compute thread\n" if device.type == "cpu" and args.threads == 1
-             else "clock: wall time, device synchronised\n") +
-          "every (rank, step) timed (median of --reps); critical path = sum over steps of the slowest rank;\n"
+             else "clock: wall time, device synchronised\n")
+          + ("every (rank, step) timed" if args.every_block else
+             "identical (rank, step) plans timed once (compare layouts with --every-block)") +
+          " (median of --reps); critical path = sum over steps of the slowest rank;\n"
           "zigzag pads every document to a multiple of 2N; efficiency = (one device, whole row) / N / critical\n")
     cols = [("layout", "layout"), ("world_size", "N"), ("tokens_per_rank", "tokens/rank"), ("documents", "docs"),
             ("padding_tokens", "padding"), ("pass", "pass"), ("critical_path_ms", "critical ms"),
