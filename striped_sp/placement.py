@@ -36,6 +36,9 @@ __all__ = ["CostModel", "COST_MODELS", "BALANCE_SLACK", "check_placement", "chec
 
 #: ``"auto"`` keeps documents whole only where the critical path stays within 1% of ideal (entries)
 BALANCE_SLACK = 0.01
+#: ``"auto"`` leaves ``"split"`` only for a predicted gain of at least 1% (at N=2 on the web mix a
+#: 0.6% predicted gain cut a document and measured 7-12% slower: docs/benchmarks.md, section 11)
+MIN_GAIN = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +285,9 @@ def _predict_doc(bounds: tuple, world_size: int, whole_max: int, model: CostMode
 def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel | str = "cpu") -> int:
     """``doc_placement="auto"``: the longest-whole-document length (among powers of two up to the
     tokens per rank, and 0) with the smallest predicted time (:func:`predict`) among those that stay
-    balanced (within :data:`BALANCE_SLACK` of ideal in score entries); infeasible ones skipped."""
+    balanced (within :data:`BALANCE_SLACK` of ideal in score entries); infeasible ones skipped.  A
+    length other than 0 must beat ``"split"``'s prediction by :data:`MIN_GAIN` (the model is crude,
+    and a near tie is better left to the layout without cut documents)."""
     bounds = tuple(bounds)
     local = bounds[-1] // world_size
     candidates, c = [0], 16
@@ -290,19 +295,23 @@ def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel 
         candidates.append(c)
         c *= 2
     candidates.append(local)
-    best = None
+    best, split_ms = None, None
     for cand in candidates:
         try:
             pred = predict(bounds, world_size, stripe, cand, model)
         except ValueError:
             continue
         t = pred["ms"]
+        if cand == 0:
+            split_ms = t
         if cand and pred["balance"] > 1 + BALANCE_SLACK:
             continue
         if best is None or t < best[0]:
             best = (t, cand)
     if best is None:
         raise ValueError(f"no document placement fills {world_size} ranks evenly with stripe_size={stripe}")
+    if split_ms is not None and best[0] > split_ms * (1 - MIN_GAIN):
+        return 0
     return best[1]
 
 
