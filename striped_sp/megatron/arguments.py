@@ -10,7 +10,7 @@ import argparse
 from typing import Callable, Optional
 
 from ..layouts import ALGOS as LAYOUT_ALGOS, get_layout
-from ..placement import check_placement, check_stripe_size
+from .layout_flags import doc_placement_of, stripe_arg, stripe_size_of
 from ..ring import set_ring_timeout
 
 
@@ -54,41 +54,6 @@ def layout_of(algo: str) -> str:
     return get_layout(algo if ":" in algo else layout).key
 
 
-def _stripe_arg(text: str) -> int | str:
-    """``--striped-stripe-size``: an int, or ``doc``."""
-    if text.strip() == "doc":
-        return "doc"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'doc'") from None
-
-
-def _stripe_size(args) -> int | str:
-    value = getattr(args, "striped_stripe_size", 1)
-    value = 1 if value is None else value
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    try:
-        return check_stripe_size(value)
-    except ValueError:
-        raise ValueError(f"--striped-stripe-size {value!r} must be a positive integer (1: token by token) or "
-                         "doc (per document: 2 * CP stripes dealt to ranks 0..CP-1, then back)") from None
-
-
-def _doc_placement(args):
-    value = getattr(args, "striped_doc_placement", "split")
-    value = "split" if value is None else value
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    try:
-        return check_placement(value)
-    except ValueError:
-        raise ValueError(
-            f"--striped-doc-placement {value!r} must be split, auto or a positive integer (the longest "
-            "document kept whole on one rank)") from None
-
-
 def algo_of(args) -> str:
     """The one algo string of ``--context-parallel-algo``, ``--striped-stripe-size`` and
     ``--striped-doc-placement``: the algo name, or for striped with parameters its layout key
@@ -96,7 +61,7 @@ def algo_of(args) -> str:
     batch slicing, the spec).  ``ValueError`` names the flag: the two striped flags with another
     algo, a stripe size below 1, a placement other than split / auto / a positive integer."""
     algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
-    stripe, place = _stripe_size(args), _doc_placement(args)
+    stripe, place = stripe_size_of(args), doc_placement_of(args)
     if algo_name(algo) != "striped":
         for flag, value, default in (("--striped-stripe-size", stripe, 1), ("--striped-doc-placement", place, "split")):
             if value != default:
@@ -137,12 +102,13 @@ def add_arguments(parser):
     )
     add(
         "--striped-stripe-size",
-        type=_stripe_arg,
+        type=stripe_arg,
         default=1,
         help="--context-parallel-algo striped: deal tokens to the CP ranks in stripes of this many "
         "(1: token by token, the paper's layout; larger stripes mean fewer, larger kernel calls on "
-        "packed rows and windows), or 'doc': per document 2*CP stripes, dealt to ranks 0..CP-1 then "
-        "back (large dense blocks, no padding). With an integer and no document placement "
+        "packed rows and windows), 'doc': per document 2*CP stripes, dealt to ranks 0..CP-1 then "
+        "back (large dense blocks, no padding), or 'auto': chosen from --sft, --window-size and "
+        "--window-attn-skip-freq (docs/benchmarks.md). With an integer and no document placement "
         "--seq-length must be a multiple of CP * stripe size.",
     )
     add(

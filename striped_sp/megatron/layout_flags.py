@@ -1,0 +1,73 @@
+"""The striped layout's Megatron flags: ``--striped-stripe-size`` (an int, ``doc`` or ``auto``) and
+``--striped-doc-placement``, read from Megatron's ``args`` with errors that name the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..placement import check_placement, check_stripe_size
+
+__all__ = ["stripe_arg", "stripe_size_of", "doc_placement_of"]
+
+
+def stripe_arg(text: str) -> int | str:
+    """``--striped-stripe-size``: an int, ``doc`` or ``auto``."""
+    if text.strip() in ("doc", "auto"):
+        return text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'doc' or 'auto'") from None
+
+
+def stripe_size_of(args) -> int | str:
+    """The stripe size of ``args.striped_stripe_size`` (``auto`` resolved for this model)."""
+    value = getattr(args, "striped_stripe_size", 1)
+    value = 1 if value is None else value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto":
+        return _auto_stripe(args)
+    try:
+        return check_stripe_size(value)
+    except ValueError:
+        raise ValueError(f"--striped-stripe-size {value!r} must be a positive integer (1: token by token) or "
+                         "doc (per document: 2 * CP stripes dealt to ranks 0..CP-1, then back) or auto") from None
+
+
+def _auto_stripe(args) -> int | str:
+    """``--striped-stripe-size auto``: :func:`striped_sp.stripe_choice.choose_stripe_size` for this
+    model's rows (``--sft``: packed) and its window layers (``--window-size``, with
+    ``--window-attn-skip-freq`` choosing the full-attention layers, as megatron-core counts them)."""
+    from ..stripe_choice import choose_stripe_size
+
+    window = getattr(args, "window_size", None)
+    left = int(window[0]) if window is not None else -1
+    layers = int(getattr(args, "num_layers", None) or 1)
+    skip = getattr(args, "window_attn_skip_freq", None)
+    if left < 0:
+        windowed = 0
+    elif skip is None:
+        windowed = layers
+    elif isinstance(skip, int):
+        windowed = sum(1 for n in range(1, layers + 1) if n % skip != 0)
+    else:
+        windowed = sum(1 for flag in list(skip)[:layers] if flag)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    seq = int(getattr(args, "seq_length", None) or cp)
+    return choose_stripe_size(seq, cp, bool(getattr(args, "sft", False)), left if left >= 0 else None,
+                              windowed, layers - windowed)
+
+
+def doc_placement_of(args):
+    """The placement of ``args.striped_doc_placement``: ``"split"``, ``"auto"`` or an int."""
+    value = getattr(args, "striped_doc_placement", "split")
+    value = "split" if value is None else value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    try:
+        return check_placement(value)
+    except ValueError:
+        raise ValueError(
+            f"--striped-doc-placement {value!r} must be split, auto or a positive integer (the longest "
+            "document kept whole on one rank)") from None

@@ -1,0 +1,64 @@
+"""``stripe_size="auto"``: the stripe size that measured fastest for a model's rows and layers.
+
+The data layout is shared by every layer, so the choice looks at the whole model: whether rows
+are packed documents, and which share of its visible score entries lies in sliding-window layers
+(Gemma / Mistral-style models alternate window and global layers).  The rule, from ``bench sim``
+(N=8, 8192 tokens per rank, fwd+bwd, this CPU; docs/benchmarks.md, sections 11-13):
+
+* no window layers: per-document stripes (``"doc"``) on packed rows; on a single-document row the
+  paper's token-by-token stripes (1), which run the dense causal plans;
+* window layers of ``W`` keys holding at least :data:`WINDOW_SHARE_MIN` of the entries, or any
+  window on packed rows: stripes of ``W / 8`` (a power of two, at least :data:`MIN_STRIPE`), so
+  that a query's band lies in a few stripes (1.21x zigzag for one document at one global layer in
+  six, 1.36x on the web mix);
+* otherwise 1.
+"""
+
+from __future__ import annotations
+
+__all__ = ["WINDOW_SHARE_MIN", "MIN_STRIPE", "window_share", "choose_stripe_size"]
+
+#: window layers must hold this share of the entries before stripes of W/8 pay on one document
+#: (measured crossover: one global layer in 3.05, window 4096, 65536 tokens)
+WINDOW_SHARE_MIN = 0.20
+#: smaller stripes than this cost more per entry than they gain (kernel tiles)
+MIN_STRIPE = 64
+
+
+def _causal_entries(seq_len: int, window: int | None) -> int:
+    """Visible entries of one causal document of ``seq_len`` tokens (``window``: keys before a query)."""
+    if window is None or window + 1 >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    band = window + 1
+    return band * (band + 1) // 2 + (seq_len - band) * band
+
+
+def window_share(seq_len: int, window: int | None, window_layers: int, global_layers: int) -> float:
+    """The share of a model's visible score entries in its window layers, for one document of
+    ``seq_len`` tokens (0.0 without a window or window layers)."""
+    if window is None or window_layers <= 0:
+        return 0.0
+    w = window_layers * _causal_entries(seq_len, window)
+    return w / (w + global_layers * _causal_entries(seq_len, None))
+
+
+def choose_stripe_size(seq_len: int, world_size: int, packed: bool, window: int | None = None,
+                       window_layers: int = 0, global_layers: int = 1) -> int | str:
+    """The stripe size for ``stripe_size="auto"`` (module docstring): ``"doc"``, 1 or a power of two
+    dividing ``seq_len / world_size`` (when the row is not packed).  ``ValueError`` on a bad count."""
+    for name, value in (("seq_len", seq_len), ("world_size", world_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if window_layers < 0 or global_layers < 0 or window_layers + global_layers == 0:
+        raise ValueError(f"window_layers={window_layers}, global_layers={global_layers}: need layers >= 0, "
+                         "at least one")
+    share = window_share(seq_len, window, window_layers, global_layers)
+    if window is None or window_layers == 0 or (not packed and share < WINDOW_SHARE_MIN):
+        return "doc" if packed else 1
+    stripe = MIN_STRIPE
+    while stripe * 2 <= window // 8:
+        stripe *= 2
+    if not packed:  # a plain striped row needs S % (N * s) == 0
+        while stripe > 1 and seq_len % (world_size * stripe):
+            stripe //= 2
+    return stripe

@@ -1,0 +1,67 @@
+"""stripe_size="auto" (striped_sp.stripe_choice): the rule against hand-computed shares, and the
+Megatron flag resolving it from the model's arguments."""
+
+import types
+
+import pytest
+
+from striped_sp.stripe_choice import WINDOW_SHARE_MIN, choose_stripe_size, window_share
+
+
+def test_window_share_against_a_hand_count():
+    # 10 tokens, window 3: rows see 1, 2, 3, 4, 4, ... keys -> 1+2+3+4*7 = 34; global 55
+    assert window_share(10, 3, 1, 1) == pytest.approx(34 / (34 + 55))
+    assert window_share(10, 3, 5, 1) == pytest.approx(5 * 34 / (5 * 34 + 55))
+    assert window_share(10, None, 4, 1) == 0.0 and window_share(10, 3, 0, 4) == 0.0
+    assert window_share(10, 20, 1, 0) == 1.0
+
+
+@pytest.mark.parametrize("seq, n, packed, window, wl, gl, expect", [
+    (65536, 8, True, None, 0, 1, "doc"),          # packed, no window: per-document stripes
+    (65536, 8, False, None, 0, 1, 1),             # one document, no window: the paper's layout
+    (65536, 8, False, 4096, 1, 0, 512),           # all layers windowed: W/8
+    (65536, 8, False, 4096, 5, 1, 512),           # one global layer in 6: share 0.38
+    (65536, 8, False, 4096, 1, 1, 1),             # one in 2: share 0.11, below the crossover
+    (65536, 8, True, 4096, 1, 1, 512),            # packed rows: stripes at any share
+    (65536, 8, False, 256, 1, 0, 64),             # never below MIN_STRIPE
+    (8 * 3 * 64, 8, False, 4096, 1, 0, 64),       # S / N = 192: the largest power of two dividing it
+    (8 * 3 * 16, 8, False, 4096, 1, 0, 16),
+])
+def test_choose_stripe_size(seq, n, packed, window, wl, gl, expect):
+    assert choose_stripe_size(seq, n, packed, window, wl, gl) == expect
+
+
+def test_crossover_is_the_documented_share():
+    seq, w = 65536, 4096
+    k_lo = next(k for k in range(1, 20) if window_share(seq, w, k, 1) >= WINDOW_SHARE_MIN)
+    assert choose_stripe_size(seq, 8, False, w, k_lo, 1) == 512
+    assert choose_stripe_size(seq, 8, False, w, k_lo - 1, 1) == 1
+
+
+def test_bad_counts_are_value_errors():
+    with pytest.raises(ValueError, match="seq_len=0"):
+        choose_stripe_size(0, 8, False)
+    with pytest.raises(ValueError, match="window_layers=0, global_layers=0"):
+        choose_stripe_size(64, 8, False, 8, 0, 0)
+
+
+def _megatron_args(**kw):
+    base = dict(context_parallel_algo="striped", context_parallel_size=8, seq_length=65536, num_layers=12,
+                striped_stripe_size="auto", window_size=None, window_attn_skip_freq=None, sft=False)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({}, "striped"),
+    ({"sft": True}, "striped:stripe=doc"),
+    ({"window_size": (4096, 0)}, "striped:stripe=512"),
+    ({"window_size": (4096, 0), "window_attn_skip_freq": 6}, "striped:stripe=512"),   # 10 of 12 windowed
+    ({"window_size": (4096, 0), "window_attn_skip_freq": 2}, "striped"),               # 6 of 12: share 0.11
+    ({"window_size": (4096, 0), "window_attn_skip_freq": [1, 0] * 6}, "striped"),
+    ({"window_size": (4096, 0), "window_attn_skip_freq": [1] * 11 + [0]}, "striped:stripe=512"),
+])
+def test_megatron_auto_flag(kw, key):
+    import striped_sp.megatron as sm
+
+    assert sm.algo_of(_megatron_args(**kw)) == key
