@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-__all__ = ["MaskSpec", "Segments", "SegmentCall", "check_cu_seqlens", "check_window", "make_mask",
+__all__ = ["MaskSpec", "Segments", "SegmentCall", "check_cu_seqlens", "check_window", "make_mask", "shared_rows",
            "block_plan", "ring_plans"]
 
 INF = 1 << 40
@@ -344,6 +344,23 @@ def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, 
         calls.append(SegmentCall(_as_index(_ranges(q_start[sel], seg_lq)), _as_index(_ranges(k_start[sel], seg_lk)),
                                  segs, segs.entries()))
     return calls
+
+
+def shared_rows(layout, spec: MaskSpec, world_size: int, rank: int) -> int:
+    """How many leading local rows of ``rank`` other ranks' queries can see: all but the documents
+    that close its local order and lie wholly on it (kept whole by a ``doc_placement``, or short
+    enough to fall in one run), whose keys only their own rank's queries see.  The ring sends only
+    these rows (and their dK/dV) on."""
+    runs = layout.run_table(spec.seq_len, world_size, rank, spec.bounds)
+    length = {a: b - a for a, b in zip(spec.bounds[:-1], spec.bounds[1:])}
+    private = 0
+    for _, first, count, step in reversed(runs.tolist()):
+        if count == 0:
+            continue
+        if length.get(first) != count or (count > 1 and step != 1):
+            break
+        private += count
+    return spec.seq_len // world_size - private
 
 
 _CACHE: "collections.OrderedDict" = collections.OrderedDict()

@@ -102,13 +102,18 @@ class Ring:
         self.next_rank = ranks[(self.rank + 1) % self.world_size]
         self.prev_rank = ranks[(self.rank - 1) % self.world_size]
 
-    def shift(self, tensors: list[torch.Tensor], what: str = "a ring step", hops: int = 1) -> Transfer:
+    def shift(self, tensors: list[torch.Tensor], what: str = "a ring step", hops: int = 1,
+              recv_rows: int | None = None) -> Transfer:
         """Post the send of ``tensors`` to the next rank and receives of same-shaped tensors from
         the previous one into fresh buffers (the double buffer); returns at once.  ``what`` names
         the step in a timeout's message (``"forward step 2 of 4"``).  ``hops``: send that many
-        ranks ahead instead (and receive from as many behind), for a ring cut short."""
+        ranks ahead instead (and receive from as many behind), for a ring cut short.
+        ``recv_rows``: the received tensors have this size in dim 1 (blocks of unequal rows)."""
         sent = [t.contiguous() for t in tensors]
-        received = [torch.empty_like(t) for t in sent]
+        if recv_rows is None:
+            received = [torch.empty_like(t) for t in sent]
+        else:
+            received = [t.new_empty((t.size(0), recv_rows, *t.shape[2:])) for t in sent]
         to, frm = self.next_rank, self.prev_rank
         if hops % self.world_size != 1:
             ranks = dist.get_process_group_ranks(self.group)

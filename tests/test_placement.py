@@ -321,3 +321,38 @@ def test_auto_leaves_split_only_for_a_real_predicted_gain():
     bounds = tuple(workload("striped", 2, 4096, "lognormal:median=1024,sigma=1.2", None, 0).mask.bounds)
     assert predict(bounds, 2, 1, 1024)["ms"] < predict(bounds, 2, 1, 0)["ms"] < predict(bounds, 2, 1, 1024)["ms"] / (1 - MIN_GAIN)
     assert choose_whole_max(bounds, 2) == 0
+
+
+@pytest.mark.parametrize("spec", ["striped:stripe=doc,place=512", "striped:place=512", "striped", "zigzag",
+                                  "striped:stripe=doc", "contiguous"])
+def test_shared_rows_hold_every_key_other_ranks_see(spec):
+    """No rank's plan against another rank's keys reaches past that rank's shared rows (the rows
+    the ring sends on); with whole documents the ring sends less."""
+    from striped_sp.bench.docs import workload
+    from striped_sp.masks import block_plan, shared_rows
+
+    n = 8
+    lay = get_layout(spec)
+    mask = workload(spec, n, 2048, "lognormal:median=256,sigma=1.2", None, 3).mask  # zigzag: padded
+    shared = [shared_rows(lay, mask, n, r) for r in range(n)]
+    for s in range(n):
+        for r in range(n):
+            if r != s:
+                for call in block_plan(lay, mask, n, r, s):
+                    assert int((call.segments.k_start + call.segments.lk).max()) <= shared[s], (spec, r, s)
+    if "place" in spec:
+        assert sum(shared) < 0.9 * mask.seq_len
+
+
+def test_shared_rows_count_only_the_closing_whole_documents():
+    """A one-token document in the middle of a rank's rows is wholly on that rank but not at the
+    end: the rows after it are still shared."""
+    from striped_sp.masks import make_mask, shared_rows
+
+    n, bounds = 4, [0, 100, 101, 256]
+    lay = get_layout("striped:stripe=doc")
+    mask = make_mask(256, n, lay, bounds, None, True)
+    assert [shared_rows(lay, mask, n, r) for r in range(n)] == [64] * n
+    placed = get_layout("striped:stripe=doc,place=1")  # the one-token document kept whole, at the end
+    mask = make_mask(256, n, placed, bounds, None, True)
+    assert sorted(shared_rows(placed, mask, n, r) for r in range(n)) == [63, 64, 64, 64]
