@@ -12,7 +12,7 @@ import torch
 
 from .kernels import Kernel, accumulator_dtype
 from .layouts import Layout
-from .masks import MaskSpec, ring_plans
+from .masks import MaskSpec, ring_plans, shared_rows
 from .ring import Ring
 from .step import Accumulator, backward_step, forward_step, from_format, merge_block, to_format
 
@@ -60,13 +60,18 @@ class _RingAttention(torch.autograd.Function):
         plans = _plans(layout, mask, causal, n, rank, local_len)
         # a window that reaches back fewer ranks than the ring holds cuts the ring short
         steps = n if mask is None else layout.ring_steps(n, local_len, mask)
+        # only the rows other ranks can see travel (whole documents at the end of a rank stay home)
+        shared = None if mask is None or steps == 1 else shared_rows_of(layout, mask, n)
         fmt = "bshd" if mask is not None else kernel.tensor_format
         aligned = strict_block == "aligned"
         qn, k_cur, v_cur = (to_format(t, fmt) for t in (q, k, v))
         acc = Accumulator(qn, masked=mask is not None, fmt=fmt, value_dim=v.size(-1))
         for step in range(steps):
-            transfer = ring.shift([k_cur, v_cur], f"forward step {step + 1} of {steps} (keys/values)") \
-                if step < steps - 1 else None
+            transfer = None
+            if step < steps - 1:
+                send = [k_cur, v_cur] if step or shared is None else [t[:, :shared[rank]] for t in (k_cur, v_cur)]
+                transfer = ring.shift(send, f"forward step {step + 1} of {steps} (keys/values)",
+                                      recv_rows=None if shared is None else shared[(rank - step - 1) % n])
             with _settle_on_error(transfer):
                 if mask is None:
                     forward_step(kernel, qn, k_cur, v_cur, plans[step], scale, acc, aligned)
@@ -82,6 +87,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.plans, ctx.masked, ctx.scale, ctx.kernel = group, plans, mask is not None, scale, kernel
         ctx.grad_comm_dtype, ctx.aligned, ctx.timeout, ctx.steps = grad_comm_dtype, aligned, timeout, steps
+        ctx.shared = shared
         return out
 
     @staticmethod
@@ -89,15 +95,19 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors  # [b, s, h, d]: the caller's q, k, v; out as returned
         plans, masked, scale, kernel = ctx.plans, ctx.masked, ctx.scale, ctx.kernel
         ring = Ring(ctx.group, ctx.timeout)
-        n = ring.world_size
+        n, rank, shared = ring.world_size, ring.rank, ctx.shared
         acc = accumulator_dtype(q.dtype)  # float32; float64 for float64 inputs
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         k_cur, v_cur = k, v
         dkv_transfer = None
+        own_tail = None  # dK/dV of our rows that never travel (whole documents at the end)
         steps = ctx.steps
         for step in range(steps):
-            kv_transfer = ring.shift([k_cur, v_cur], f"backward step {step + 1} of {steps} (keys/values)") \
-                if step < steps - 1 else None
+            kv_transfer = None
+            if step < steps - 1:
+                send = [k_cur, v_cur] if step or shared is None else [t[:, :shared[rank]] for t in (k_cur, v_cur)]
+                kv_transfer = ring.shift(send, f"backward step {step + 1} of {steps} (keys/values)",
+                                         recv_rows=None if shared is None else shared[(rank - step - 1) % n])
             # this block's fp32 dK/dV accumulators: fresh for our own block, else the ones arriving
             # with it (accumulated in fp32 whatever the travel dtype)
             if dkv_transfer is None:
@@ -117,17 +127,40 @@ class _RingAttention(torch.autograd.Function):
                                   ctx.aligned, dk=dk_acc, dv=dv_acc, split_heads=True)
             k_cur = v_cur = None  # a visiting block: freed once sent on
             if steps > 1:  # on to the next rank; after the last step, straight home to the owner
+                if step == 0 and shared is not None:
+                    own_tail = (dk_acc[:, shared[rank]:], dv_acc[:, shared[rank]:])
+                    dk_acc, dv_acc = dk_acc[:, :shared[rank]], dv_acc[:, :shared[rank]]
+                last = step == steps - 1
+                home = None if shared is None else shared[rank if last else (rank - step - 1) % n]
                 dkv_transfer = ring.shift([dk_acc.to(ctx.grad_comm_dtype), dv_acc.to(ctx.grad_comm_dtype)],
                                           f"backward step {step + 1} of {steps} (dK/dV)",
-                                          hops=1 if step < steps - 1 else n - step)
+                                          hops=n - step if last else 1, recv_rows=home)
                 dk_acc = dv_acc = None
             if kv_transfer is not None:
                 k_cur, v_cur = kv_transfer.wait()
                 kv_transfer = None  # its requests hold the block sent on: free it before the next shift
         if dkv_transfer is not None:
             dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
+            if own_tail is not None and own_tail[0].size(1):
+                dk_acc = torch.cat([dk_acc.to(own_tail[0].dtype), own_tail[0]], 1)
+                dv_acc = torch.cat([dv_acc.to(own_tail[1].dtype), own_tail[1]], 1)
         return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype),
                 None, None, None, None, None, None, None, None, None)
+
+
+def shared_rows_of(layout: Layout, mask: MaskSpec, n: int) -> list[int] | None:
+    """Per rank, the rows the ring carries (:func:`striped_sp.masks.shared_rows`); ``None`` when
+    every rank shares all of them (the plain ring).  Cached like the plans: every layer reuses it."""
+    key = (layout.key, mask, n)
+    if key not in _SHARED:
+        shared = [shared_rows(layout, mask, n, r) for r in range(n)]
+        if len(_SHARED) >= 16:
+            _SHARED.pop(next(iter(_SHARED)))
+        _SHARED[key] = None if all(s == mask.seq_len // n for s in shared) else shared
+    return _SHARED[key]
+
+
+_SHARED: dict = {}
 
 
 def _plans(layout: Layout, mask: MaskSpec | None, causal: bool, n: int, rank: int, local_len: int) -> list:

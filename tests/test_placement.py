@@ -147,6 +147,39 @@ def check_keyword_parameters(n, seed):
     assert torch.equal(a, b)
 
 
+def check_ring_sends_shared_rows_only(n, seed):
+    """Whole documents at the end of a rank stay home: every K/V and dK/dV transfer carries the
+    owner's shared rows, fewer than its local rows (and the result stays exact: check_placed)."""
+    from striped_sp.masks import make_mask, shared_rows
+    from striped_sp.ring import Ring
+
+    group, rank = cp_group(n)
+    layout, local = "striped:stripe=doc,place=8", 40
+    bounds = [0, 3, 20, 25, 27, 34, 38, local * n]
+    lay = get_layout(layout)
+    shared = [shared_rows(lay, make_mask(local * n, n, lay, bounds, None, True), n, r) for r in range(n)]
+    assert min(shared) < local
+    sizes, real = [], Ring.shift
+
+    def spy(self, tensors, what="a ring step", hops=1, recv_rows=None):
+        sizes.append((what, tensors[0].size(1)))
+        return real(self, tensors, what, hops, recv_rows)
+
+    Ring.shift = spy
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, local * n, 2, 8, generator=gen) for _ in range(3))
+        ql, kl, vl = (striped_sp.shard(t, n, rank, layout=layout, cu_seqlens=bounds).requires_grad_() for t in (q, k, v))
+        striped_sp.ring_attention(ql, kl, vl, group, layout=layout, cu_seqlens=bounds).sum().backward()
+    finally:
+        Ring.shift = real
+    fwd = [rows for what, rows in sizes if what.startswith("forward")]
+    assert fwd == [shared[(rank - t) % n] for t in range(len(fwd))], (fwd, shared)
+    dkv = [rows for what, rows in sizes if "dK/dV" in what]
+    assert dkv == [shared[(rank - t) % n] for t in range(len(dkv))], (dkv, shared)
+    check_placed(n, layout, "gqa", seed, local, "short", None)
+
+
 def _cases(world):
     sizes = {4: [4, 2, 1], 3: [3]}[world]
     cases = []
@@ -174,6 +207,8 @@ def _cases(world):
                 cases.append((f"N{n}-{layout}-ulysses2", check_placed,
                               (n, layout, "gqa", s + 8, 2 * ll, "mixed", None, 2)))
         cases.append((f"N{n}-keywords", check_keyword_parameters, (n, SEED + n)))
+        if n > 1:
+            cases.append((f"N{n}-sends-shared-rows", check_ring_sends_shared_rows_only, (n, SEED + 7 * n)))
     return cases
 
 
