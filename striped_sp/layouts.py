@@ -112,6 +112,9 @@ class Layout:
 
     #: True when :meth:`causal_plan` covers the unmasked ring (else the ring runs masked plans)
     dense_plans: bool = True
+    #: True when the token order follows the documents of a packed row (each cut or kept whole by
+    #: its own bounds), so data, attention and RoPE must see the same documents, padding included
+    places_documents: bool = False
 
     def runs(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None):
         """This rank's tokens as runs ``(local_start, first_position, count)`` of step
@@ -203,6 +206,7 @@ class Contiguous(Layout):
 class Zigzag(Layout):
     name = "zigzag"
     seq_multiple = 2
+    places_documents = True
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         # two runs per document (its chunks rank and 2N-1-rank), vectorised: rows can pack thousands
@@ -245,6 +249,7 @@ class Striped(Layout):
         self.doc_placement = check_placement(doc_placement)
         self.placed = self.doc_placement != "split"
         self.per_document = self.stripe_size == "doc"
+        self.places_documents = self.placed or self.per_document
         # whole documents (or per-document stripes) fill each rank up to S/N exactly, so only a
         # plain striped row needs S % (N*s) == 0
         self.seq_multiple = 1 if self.placed or self.per_document else self.stripe_size

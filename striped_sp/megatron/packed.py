@@ -50,8 +50,7 @@ def keeps_padding(layout: str) -> bool:
     whole, padding inside: then data, attention and RoPE (which gets only the padded boundaries
     from Megatron) all see the same documents and place the tokens alike; striped with
     ``stripe_size="doc"``: per-document stripes)."""
-    lay = get_layout(layout)
-    return lay.name == "zigzag" or bool(getattr(lay, "placed", False) or getattr(lay, "per_document", False))
+    return get_layout(layout).places_documents
 
 
 def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tuple[int, ...]:
