@@ -17,7 +17,7 @@ def stripe_arg(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'doc' or 'auto'") from None
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected an integer, 'doc' or 'auto'") from None
 
 
 def stripe_size_of(args) -> int | str:
