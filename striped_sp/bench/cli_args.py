@@ -95,7 +95,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", type=_layout_names, default=list(LAYOUT_NAMES),
                    help="layouts separated by spaces or ';', some of " + ", ".join(LAYOUT_NAMES)
                    + "; striped takes parameters: 'striped:stripe=128', 'striped:place=auto', "
-                   "'striped:stripe=64,place=512'")
+                   "'striped:stripe=64,place=512', 'striped:stripe=doc' (per-document stripes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
