@@ -67,11 +67,7 @@ class _RingAttention(torch.autograd.Function):
         qn, k_cur, v_cur = (to_format(t, fmt) for t in (q, k, v))
         acc = Accumulator(qn, masked=mask is not None, fmt=fmt, value_dim=v.size(-1))
         for step in range(steps):
-            transfer = None
-            if step < steps - 1:
-                send = [k_cur, v_cur] if step or shared is None else [t[:, :shared[rank]] for t in (k_cur, v_cur)]
-                transfer = ring.shift(send, f"forward step {step + 1} of {steps} (keys/values)",
-                                      recv_rows=None if shared is None else shared[(rank - step - 1) % n])
+            transfer = _shift_kv(ring, k_cur, v_cur, step, steps, shared, "forward")
             with _settle_on_error(transfer):
                 if mask is None:
                     forward_step(kernel, qn, k_cur, v_cur, plans[step], scale, acc, aligned)
@@ -103,11 +99,7 @@ class _RingAttention(torch.autograd.Function):
         own_tail = None  # dK/dV of our rows that never travel (whole documents at the end)
         steps = ctx.steps
         for step in range(steps):
-            kv_transfer = None
-            if step < steps - 1:
-                send = [k_cur, v_cur] if step or shared is None else [t[:, :shared[rank]] for t in (k_cur, v_cur)]
-                kv_transfer = ring.shift(send, f"backward step {step + 1} of {steps} (keys/values)",
-                                         recv_rows=None if shared is None else shared[(rank - step - 1) % n])
+            kv_transfer = _shift_kv(ring, k_cur, v_cur, step, steps, shared, "backward")
             # this block's fp32 dK/dV accumulators: fresh for our own block, else the ones arriving
             # with it (accumulated in fp32 whatever the travel dtype)
             if dkv_transfer is None:
@@ -146,6 +138,17 @@ class _RingAttention(torch.autograd.Function):
                 dv_acc = torch.cat([dv_acc.to(own_tail[1].dtype), own_tail[1]], 1)
         return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype),
                 None, None, None, None, None, None, None, None, None)
+
+
+def _shift_kv(ring: Ring, k_cur, v_cur, step: int, steps: int, shared: list[int] | None, what: str):
+    """Send the K/V block held at ``step`` on (our own block: only its shared rows) and receive the
+    next one; ``None`` after the last step."""
+    if step >= steps - 1:
+        return None
+    n, rank = ring.world_size, ring.rank
+    send = [k_cur, v_cur] if step or shared is None else [t[:, :shared[rank]] for t in (k_cur, v_cur)]
+    return ring.shift(send, f"{what} step {step + 1} of {steps} (keys/values)",
+                      recv_rows=None if shared is None else shared[(rank - step - 1) % n])
 
 
 def shared_rows_of(layout: Layout, mask: MaskSpec, n: int) -> list[int] | None:
