@@ -1,9 +1,9 @@
 """striped_sp: exact striped ring attention (context parallelism) for causal transformer training."""
 
-from .request import RingRequest, ring_attention, striped_attention
-from .layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
-from .packing import PaddedDocuments, document_positions, pad_documents
-from .ulysses import ulysses_ring_groups
+from .engine.request import RingRequest, ring_attention, striped_attention
+from .plan.layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
+from .plan.packing import PaddedDocuments, document_positions, pad_documents
+from .engine.ulysses import ulysses_ring_groups
 
 __version__ = "0.1.0"
 

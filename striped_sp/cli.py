@@ -106,7 +106,7 @@ def _balance(args) -> int:
     from .bench.report import format_table, plot_balance, write_json
     from .bench.work import balance_records
 
-    from .layouts import get_layout
+    from .plan.layouts import get_layout
 
     if args.docs or args.window or not all(get_layout(lay).dense_plans for lay in args.layouts):
         return _masked_balance(args)  # stripes of s > 1 have the engine's masked plans only
@@ -132,7 +132,7 @@ def _sim(args) -> int:
     from .bench.common import pick_device, pick_dtype
     from .bench.report import format_table, plot_speedup, write_json
     from .bench.sim import SimConfig, simulate, work_speedup
-    from .layouts import get_layout
+    from .plan.layouts import get_layout
 
     if args.global_every:  # before any work
         from .bench.mixed import check_global_every

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .attention import ring_attention
+from .engine.request import ring_attention
 from .bench.docs import workload
 from .bench.work import masked_step_entries, score_entries
-from .layouts import LAYOUTS, shard
+from .plan.layouts import LAYOUTS, shard
 
 
 def _reference(q, k, v, dout, scale, bounds=None, left=-1):

@@ -76,7 +76,7 @@ def world_of_one(tmp_path):
 def deterministic_flags(monkeypatch) -> list:
     """The ``deterministic`` argument of each ``resolve_kernel`` call made by ``ring_attention``
     during the test (the real resolution still runs)."""
-    import striped_sp.request as attention
+    import striped_sp.engine.request as attention
     from striped_sp.kernels import resolve_kernel
 
     seen = []

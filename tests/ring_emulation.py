@@ -1,4 +1,4 @@
-"""An N-rank ring emulated on one process with the ring's own step functions (striped_sp.step):
+"""An N-rank ring emulated on one process with the ring's own step functions (striped_sp.engine.step):
 every (rank, source) block in the kernel's tensor format, forward then backward, against a
 float64 reference.  Used by tests/test_step.py (CPU) and tests/test_cuda.py (GPU)."""
 
@@ -6,8 +6,8 @@ import torch
 
 import striped_sp
 from reference import reference_attention, rel_err
-from striped_sp.layouts import get_layout
-from striped_sp.step import Accumulator, backward_step, forward_step, from_format, seq_slice, to_format
+from striped_sp.plan.layouts import get_layout
+from striped_sp.engine.step import Accumulator, backward_step, forward_step, from_format, seq_slice, to_format
 
 
 def emulate_ring(kernel, layout, n, q, k, v, dout, aligned, scale):

@@ -11,7 +11,7 @@ import striped_sp
 from dist_helper import check_case, run_cases
 from reference import reference_attention, rel_err
 from seeds import seed_for
-from striped_sp import agreement
+from striped_sp.engine import agreement
 
 SEED = seed_for(__name__)  # the same in every spawned rank
 
@@ -195,7 +195,7 @@ def test_digest_is_stable_across_processes():
     import subprocess
     import sys
 
-    code = "from striped_sp import agreement; print(agreement._digest(\"('q.shape', (1, 4))\"))"
+    code = "from striped_sp.engine import agreement; print(agreement._digest(\"('q.shape', (1, 4))\"))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": "random"}).stdout.strip()
     assert int(other) == agreement._digest("('q.shape', (1, 4))")
@@ -224,7 +224,7 @@ def test_cpu_calls_never_ask_cuda_about_graph_capture(monkeypatch):
     initialise CUDA: the capture check is for CUDA tensors only."""
     import torch
 
-    from striped_sp import agreement
+    from striped_sp.engine import agreement
 
     def boom():
         raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")

@@ -13,7 +13,7 @@ import torch
 
 from striped_sp.bench.work import critical_path_over_ideal, score_entries, step_entries
 from striped_sp.cli import main
-from striped_sp.layouts import LAYOUTS
+from striped_sp.plan.layouts import LAYOUTS
 
 SIM_KEYS = {"layout", "world_size", "seq_len", "pass", "critical_path_ms", "speedup_vs_contiguous", "efficiency"}
 RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",

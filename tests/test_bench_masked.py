@@ -12,7 +12,7 @@ from reference import reference_mask
 from striped_sp.bench.docs import packed_row, parse_docs, visible_entries, workload
 from striped_sp.bench.work import masked_step_entries
 from striped_sp.cli import main
-from striped_sp.layouts import LAYOUTS, get_layout
+from striped_sp.plan.layouts import LAYOUTS, get_layout
 
 
 @pytest.mark.parametrize("spec", ["lognormal:median=64,sigma=1.2", "long", "fixed:7"])

@@ -12,8 +12,8 @@ from striped_sp.bench.docs import workload
 from striped_sp.bench.mixed import check_global_every, combine_layers
 from striped_sp.bench.sim_masked import _plan_signature
 from striped_sp.cli import main
-from striped_sp.layouts import get_layout
-from striped_sp.masks import block_plan
+from striped_sp.plan.layouts import get_layout
+from striped_sp.plan.masks import block_plan
 
 
 def _rec(layout, ms, p="fwd+bwd", **kw):

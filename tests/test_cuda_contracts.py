@@ -143,7 +143,7 @@ def test_masked_calls_on_the_efficient_op(cuda_branch, dtype):
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 def test_flash_varlen_op_contracts_and_values(cuda_branch, monkeypatch, heads):
     """PyTorch's CUDA flash varlen op (packed documents, windows) against the float64 math kernel."""
-    from striped_sp.masks import Segments
+    from striped_sp.kernels.segments import Segments
 
     shim = cuda_branch("values")
     monkeypatch.setattr(TorchKernel, "_native_varlen", lambda self, q: True)
@@ -464,7 +464,7 @@ def test_flash_attn_dense_contracts(flash_attn, version, heads):
 
 @pytest.mark.parametrize("version", ["2.6", "2.7"])
 def test_flash_attn_varlen_contracts(flash_attn, version):
-    from striped_sp.masks import Segments
+    from striped_sp.kernels.segments import Segments
 
     calls = flash_attn(version)
     segs = Segments(torch.tensor([0, 7, 19, 33]), torch.tensor([0, 7, 19, 33]), torch.tensor([-1, -1, 5]),

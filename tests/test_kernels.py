@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reference import reference_attention, rel_err
-from striped_sp.attention import merge_block
+from striped_sp.kernels.merge import merge_block
 from striped_sp.kernels import KERNELS, FlashAttnKernel, MathKernel, available_backends, resolve_kernel
 
 SCALE = 0.3  # not head_dim ** -0.5 (0.25 for d=16): a kernel that drops the scale fails

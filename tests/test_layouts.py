@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import striped_sp
-from striped_sp.layouts import LAYOUTS, get_layout
+from striped_sp.plan.layouts import LAYOUTS, get_layout
 
 LAYOUT_NAMES = ["striped", "zigzag", "contiguous"]
 

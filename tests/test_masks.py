@@ -7,9 +7,9 @@ import torch
 
 import striped_sp
 from reference import reference_mask
-from striped_sp.layouts import LAYOUTS
-from striped_sp.masks import block_plan, make_mask
-from striped_sp.varlen import TILE, schedule
+from striped_sp.plan.layouts import LAYOUTS
+from striped_sp.plan.masks import block_plan, make_mask
+from striped_sp.kernels.varlen import TILE, schedule
 
 
 def _random_mask(rng, layout, n):

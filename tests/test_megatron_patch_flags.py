@@ -67,7 +67,7 @@ for argv in cases:
         out = {"error": type(exc).__name__, "message": str(exc) + err.getvalue()}
     if not blocked:
         import striped_sp.megatron as sm
-        from striped_sp.ring import ring_timeout, set_ring_timeout
+        from striped_sp.engine.transport import ring_timeout, set_ring_timeout
         out.update(installed=sm.installed_algo(), ring_timeout=ring_timeout().total_seconds())
         sm.uninstall()
         set_ring_timeout(None)

@@ -1,4 +1,4 @@
-"""Stripe sizes and whole-document placement (striped_sp.placement): the placement itself (every
+"""Stripe sizes and whole-document placement (striped_sp.plan.placement): the placement itself (every
 token exactly once, S/N per rank, documents whole where asked, balance), and ring_attention with
 every stripe size and placement on 1 to 4 gloo ranks against an independent float64 reference
 (forward and every gradient), with short documents, windows, GQA and Ulysses."""
@@ -11,8 +11,8 @@ import torch
 import striped_sp
 from dist_helper import CaseTable, cp_group
 from reference import reference_attention, sharded_errors
-from striped_sp.layouts import get_layout
-from striped_sp.placement import choose_whole_max, placed_runs
+from striped_sp.plan.layouts import get_layout
+from striped_sp.plan.placement import choose_whole_max, placed_runs
 
 SEED = 1812
 SCALE = 0.37  # not head_dim ** -0.5: a dropped scale fails
@@ -150,8 +150,8 @@ def check_keyword_parameters(n, seed):
 def check_ring_sends_shared_rows_only(n, seed):
     """Whole documents at the end of a rank stay home: every K/V and dK/dV transfer carries the
     owner's shared rows, fewer than its local rows (and the result stays exact: check_placed)."""
-    from striped_sp.masks import make_mask, shared_rows
-    from striped_sp.ring import Ring
+    from striped_sp.plan.masks import make_mask, shared_rows
+    from striped_sp.engine.transport import Ring
 
     group, rank = cp_group(n)
     layout, local = "striped:stripe=doc,place=8", 40
@@ -226,7 +226,7 @@ def test_auto_stays_balanced_on_a_web_mix(n):
     """The issue's rule: whole documents only where the critical path stays within 2% of ideal
     (score entries, the model's estimate and the plans' own count agree on this row)."""
     from striped_sp.bench.docs import packed_row, parse_docs
-    from striped_sp.placement import predict
+    from striped_sp.plan.placement import predict
 
     bounds = packed_row(parse_docs("lognormal:median=256,sigma=1.2"), n * 2048, seed=3)
     chosen = choose_whole_max(bounds, n)
@@ -235,7 +235,7 @@ def test_auto_stays_balanced_on_a_web_mix(n):
     if n == 8:  # the plans' own count: every (rank, step) block of the real ring
         from striped_sp.bench.docs import Workload
         from striped_sp.bench.work import masked_step_entries
-        from striped_sp.masks import make_mask
+        from striped_sp.plan.masks import make_mask
 
         lay = get_layout("striped", doc_placement="auto")
         mask = make_mask(bounds[-1], n, lay, bounds, None, True)
@@ -252,7 +252,7 @@ def test_auto_stays_balanced_on_a_web_mix(n):
 def test_ring_steps_cover_every_visible_block(spec, n, local, left, steps):
     """No step after ring_steps has visible keys on any rank (the block plans' own count), and for
     layouts dealt in blocks the bound is tight: its last step has some."""
-    from striped_sp.masks import block_plan, make_mask
+    from striped_sp.plan.masks import block_plan, make_mask
 
     lay = get_layout(spec)
     mask = make_mask(n * local, n, lay, None, (left, 0) if left >= 0 else None, True)
@@ -275,7 +275,7 @@ def _plan_entries(spec, bounds, n):
     """entries[t][r] of the real block plans (the work model's count, independent of doc_stripes)."""
     from striped_sp.bench.docs import Workload
     from striped_sp.bench.work import masked_step_entries
-    from striped_sp.masks import make_mask
+    from striped_sp.plan.masks import make_mask
 
     lay = get_layout(spec)
     mask = make_mask(bounds[-1], n, lay, list(bounds), None, True)
@@ -285,7 +285,7 @@ def _plan_entries(spec, bounds, n):
 @pytest.mark.parametrize("n, whole_max", [(4, 0), (8, 0), (8, 512), (8, 4096)])
 def test_doc_stripes_step_entries_match_the_plans(n, whole_max):
     """doc_stripes' analytic count of every (step, rank) block equals the block plans' own."""
-    from striped_sp import doc_stripes
+    from striped_sp.plan import doc_stripes
 
     bounds = _web_row(n)
     _, kept, _, counts = doc_stripes.place(bounds, n, whole_max)
@@ -314,7 +314,7 @@ def test_doc_stripes_are_balanced_round_trips(n):
 
 
 def test_doc_stripes_keep_short_documents_whole_and_fill_ranks_exactly():
-    from striped_sp import doc_stripes
+    from striped_sp.plan import doc_stripes
 
     n = 8
     bounds = _web_row(n)
@@ -333,7 +333,7 @@ def test_doc_stripes_keep_short_documents_whole_and_fill_ranks_exactly():
 def test_diagonal_block_is_one_causal_square_per_document():
     """A rank's own block under a plain causal mask: one call, one causal segment per document
     (its pieces back to back in local order); with a window the pieces stay separate."""
-    from striped_sp.masks import block_plan, make_mask
+    from striped_sp.plan.masks import block_plan, make_mask
 
     n = 4
     bounds = [0, 40, 41, 200, 320]
@@ -351,7 +351,7 @@ def test_auto_leaves_split_only_for_a_real_predicted_gain():
     """At N=2 on the web mix the best placement is predicted 0.6% faster than split (it would cut a
     302-token document over both ranks and measured 7-12% slower): auto keeps split."""
     from striped_sp.bench.docs import workload
-    from striped_sp.placement import MIN_GAIN, predict
+    from striped_sp.plan.placement import MIN_GAIN, predict
 
     bounds = tuple(workload("striped", 2, 4096, "lognormal:median=1024,sigma=1.2", None, 0).mask.bounds)
     assert predict(bounds, 2, 1, 1024)["ms"] < predict(bounds, 2, 1, 0)["ms"] < predict(bounds, 2, 1, 1024)["ms"] / (1 - MIN_GAIN)
@@ -364,7 +364,7 @@ def test_shared_rows_hold_every_key_other_ranks_see(spec):
     """No rank's plan against another rank's keys reaches past that rank's shared rows (the rows
     the ring sends on); with whole documents the ring sends less."""
     from striped_sp.bench.docs import workload
-    from striped_sp.masks import block_plan, shared_rows
+    from striped_sp.plan.masks import block_plan, shared_rows
 
     n = 8
     lay = get_layout(spec)
@@ -382,7 +382,7 @@ def test_shared_rows_hold_every_key_other_ranks_see(spec):
 def test_shared_rows_count_only_the_closing_whole_documents():
     """A one-token document in the middle of a rank's rows is wholly on that rank but not at the
     end: the rows after it are still shared."""
-    from striped_sp.masks import make_mask, shared_rows
+    from striped_sp.plan.masks import make_mask, shared_rows
 
     n, bounds = 4, [0, 100, 101, 256]
     lay = get_layout("striped:stripe=doc")

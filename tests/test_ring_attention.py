@@ -84,7 +84,7 @@ def check_strict_block_setting(n, seed):
     it on every rank before any message; rings with no strict block ignore it."""
     import os
 
-    from striped_sp.step import STRICT_BLOCK_ENV
+    from striped_sp.engine.step import STRICT_BLOCK_ENV
 
     group, rank = _cp_group(n)
     gen = torch.Generator().manual_seed(seed)

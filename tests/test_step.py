@@ -1,4 +1,4 @@
-"""The ring step (striped_sp.step) on one process: every (rank, source) block of an N-rank ring
+"""The ring step (striped_sp.engine.step) on one process: every (rank, source) block of an N-rank ring
 run with forward_step / backward_step in the kernel's tensor format, against a float64 reference.
 
 Covers both tensor formats, the sliced and the aligned strict block (with a bottom-right causal
@@ -13,7 +13,7 @@ import torch
 from bottom_right_kernel import BottomRightMathKernel
 from ring_emulation import check_emulated as _check
 from striped_sp.kernels import KERNELS, MathKernel
-from striped_sp.step import STRICT_BLOCK_ENV, strict_block_mode
+from striped_sp.engine.step import STRICT_BLOCK_ENV, strict_block_mode
 
 SEED = random.randrange(2**31)
 

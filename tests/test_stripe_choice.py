@@ -1,11 +1,11 @@
-"""stripe_size="auto" (striped_sp.stripe_choice): the rule against hand-computed shares, and the
+"""stripe_size="auto" (striped_sp.plan.stripe_choice): the rule against hand-computed shares, and the
 Megatron flag resolving it from the model's arguments."""
 
 import types
 
 import pytest
 
-from striped_sp.stripe_choice import WINDOW_SHARE_MIN, choose_stripe_size, window_share
+from striped_sp.plan.stripe_choice import WINDOW_SHARE_MIN, choose_stripe_size, window_share
 
 
 def test_window_share_against_a_hand_count():

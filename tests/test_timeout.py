@@ -15,7 +15,7 @@ import torch.distributed as dist
 import striped_sp
 from dist_helper import check_case, run_cases
 from seeds import seed_for
-from striped_sp import ring
+from striped_sp.engine import transport as ring
 
 SEED = seed_for(__name__)
 TIMEOUT_S = 2.0

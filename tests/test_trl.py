@@ -160,7 +160,7 @@ def test_padding_free_collator_batch_is_sharded():
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from striped_sp.deepspeed import shard_batch
-    from striped_sp.layouts import positions
+    from striped_sp.plan.layouts import positions
 
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in (3, 1, 6, 2, 1)]

@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from striped_sp import varlen
+from striped_sp.kernels import varlen
 from striped_sp.kernels import FlashAttnKernel, KERNELS, MathKernel
-from striped_sp.masks import Segments
+from striped_sp.kernels.segments import Segments
 
 SCALE = 0.3
 

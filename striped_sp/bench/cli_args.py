@@ -33,7 +33,7 @@ def names(choices):
 def _layout_names(text: str) -> list[str]:
     """Layout names, parameters included (``striped:stripe=128,place=auto``), separated by spaces
     or ``;`` (a comma also separates plain names)."""
-    from ..layouts import get_layout
+    from ..plan.layouts import get_layout
 
     vals = [x for x in text.replace(";", " ").split() if x]
     if len(vals) == 1 and ":" not in vals[0]:

@@ -21,9 +21,9 @@ import dataclasses
 import math
 import random
 
-from ..layouts import get_layout
-from ..masks import MaskSpec, make_mask
-from ..packing import pad_documents
+from ..plan.layouts import get_layout
+from ..plan.masks import MaskSpec, make_mask
+from ..plan.packing import pad_documents
 
 __all__ = ["DocMix", "parse_docs", "packed_row", "Workload", "workload", "visible_entries"]
 

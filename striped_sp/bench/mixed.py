@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..layouts import get_layout
+from ..plan.layouts import get_layout
 
 __all__ = ["check_global_every", "combine_layers", "simulate_mixed", "MIXED_COLUMNS"]
 

@@ -53,8 +53,8 @@ def _worker(rank, n, cfg, init_file, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=300))
-    from ..attention import ring_attention
-    from ..layouts import shard
+    from ..engine.request import ring_attention
+    from ..plan.layouts import shard
 
     (q, k, v, dout), ref = _reference(cfg)
     out = {}

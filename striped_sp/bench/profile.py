@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from .. import attention as _attention
-from .. import ring as _ring
-from .. import step as _step
+from ..engine import autograd as _attention
+from ..engine import transport as _ring
+from ..engine import step as _step
 from ..kernels import Kernel
-from ..layouts import get_layout
+from ..plan.layouts import get_layout
 from .common import sync
 
 __all__ = ["Clock", "install_profiler", "profiled_step"]

@@ -12,12 +12,12 @@ __all__ = ["format_table", "write_json", "check_plotting", "plot_speedup", "plot
 
 def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int) -> dict:
     """For a striped layout with a stripe size or a document placement, the fields every bench
-    mode adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.placement.describe`),
+    mode adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.plan.placement.describe`),
     ``plan_balance`` (the model's critical path over ideal) and ``predicted_forward_ms`` (the cost
     model ``"cpu"``: forward critical path of all ``heads``; ``None`` for a windowed row, since the
     model knows documents, not windows).  ``{}`` for every other layout."""
-    from ..layouts import get_layout
-    from ..placement import describe
+    from ..plan.layouts import get_layout
+    from ..plan.placement import describe
 
     lay = get_layout(layout)
     if lay.name != "striped" or lay.key == "striped":

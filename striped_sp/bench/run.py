@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from ..attention import ring_attention
+from ..engine.request import ring_attention
 from ..kernels import resolve_kernel
-from ..layouts import get_layout
+from ..plan.layouts import get_layout
 from .common import median, pick_dtype, progress, sync
 from .docs import workload
 from .memory import MemoryPeak, tensor_bytes

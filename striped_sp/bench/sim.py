@@ -1,7 +1,7 @@
 """N ranks simulated on one device, with the real kernels.
 
 For every layout, ring size ``N`` and sequence length ``S`` (``n = S / N`` tokens per rank), each
-rank's work at each ring step is what :class:`striped_sp.attention._RingAttention` does there:
+rank's work at each ring step is what :class:`striped_sp.engine.autograd._RingAttention` does there:
 
 * forward: the layout's kernel calls for (rank, source), each followed by the fp32 merge of its
   (out, lse) into the running accumulators (step 0 starts them from the diagonal block);
@@ -23,8 +23,8 @@ import dataclasses
 import torch
 
 from ..kernels import Kernel, resolve_kernel
-from ..layouts import get_layout
-from ..step import Accumulator, backward_step, forward_step, seq_slice, strict_block_mode, to_format
+from ..plan.layouts import get_layout
+from ..engine.step import Accumulator, backward_step, forward_step, seq_slice, strict_block_mode, to_format
 from .common import clock_for, median, progress, sync, time_call, time_once
 from .work import step_entries
 
@@ -77,8 +77,8 @@ class _AsBshd(Kernel):
 
 class _Inputs:
     """Random q, k, v, dout, out, lse for ``n`` local tokens in the kernel's tensor format, and
-    fresh accumulators; each step runs :func:`striped_sp.step.forward_step` /
-    :func:`~striped_sp.step.backward_step`, as the ring does."""
+    fresh accumulators; each step runs :func:`striped_sp.engine.step.forward_step` /
+    :func:`~striped_sp.engine.step.backward_step`, as the ring does."""
 
     def __init__(self, cfg: SimConfig, n: int, gen: torch.Generator):
         kvh = cfg.kv_heads or cfg.heads
@@ -238,7 +238,7 @@ def _critical_path(cfg: SimConfig, keys, times: dict, n: int) -> dict:
 def _reference(cfg: SimConfig, seq_len: int, gen: torch.Generator, clock, bar: Bar | None = None) -> dict:
     """Single-device full causal attention over ``seq_len`` tokens: seconds per pass."""
     inp = _Inputs(cfg, seq_len, gen)
-    from ..layouts import BlockCall
+    from ..plan.layouts import BlockCall
 
     bar = bar or Bar(0, "", False)
     full = [BlockCall(slice(None), slice(None), True)]

@@ -2,7 +2,7 @@
 
 The masked counterpart of :mod:`.sim`: every layout gets its own view of one packed row
 (:func:`.docs.workload`; ``zigzag`` pads each document to a multiple of ``2N``), and each (rank,
-step) runs exactly what :class:`striped_sp.attention._RingAttention` runs there: the block plan's
+step) runs exactly what :class:`striped_sp.engine.autograd._RingAttention` runs there: the block plan's
 varlen calls (gather, ``kernel.forward_varlen``, the fp32 merge) and in backward
 ``kernel.backward_varlen`` with the dQ / dK / dV accumulation.  Plans differ from rank to rank,
 so every distinct (rank, step) plan is timed (identical ones, frequent in a row of one document,
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..step import Accumulator as _Accumulator
+from ..engine.step import Accumulator as _Accumulator
 from ..kernels import resolve_kernel
-from ..layouts import get_layout
-from ..masks import block_plan, make_mask
+from ..plan.layouts import get_layout
+from ..plan.masks import block_plan, make_mask
 from .common import clock_for, progress
 from .report import plan_report
 from .docs import workload

@@ -9,8 +9,8 @@ whole sequence, ``S (S + 1) / 2``, spread evenly over ``N`` ranks.
 
 from __future__ import annotations
 
-from ..layouts import get_layout
-from ..masks import block_plan
+from ..plan.layouts import get_layout
+from ..plan.masks import block_plan
 from .docs import workload
 from .report import plan_report
 

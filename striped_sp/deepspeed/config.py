@@ -7,7 +7,7 @@
 
 ``stripe_size`` (int >= 1, or ``"doc"``: per-document stripes) and ``doc_placement`` (``"split"``, ``"auto"`` or the longest document, an
 int >= 1, kept whole on one rank) are the striped layout's parameters
-(:class:`striped_sp.layouts.Striped`), for ``algo="striped"`` only; ``layout`` is then one key such
+(:class:`striped_sp.plan.layouts.Striped`), for ``algo="striped"`` only; ``layout`` is then one key such
 as ``"striped:stripe=4,place=auto"`` that the data loader, the HF attention and
 ``DistributedAttention`` all take.
 
@@ -26,13 +26,13 @@ import os
 from typing import Any, Mapping
 
 from ..kernels import BACKENDS
-from ..layouts import ALGOS as LAYOUT_ALGOS, get_layout
-from ..placement import check_placement, check_stripe_size
+from ..plan.layouts import ALGOS as LAYOUT_ALGOS, get_layout
+from ..plan.placement import check_placement, check_stripe_size
 
 __all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config"]
 
 SECTION = "context_parallel"
-#: config ``algo`` -> core layout name (the one table, :data:`striped_sp.layouts.ALGOS`)
+#: config ``algo`` -> core layout name (the one table, :data:`striped_sp.plan.layouts.ALGOS`)
 ALGOS = LAYOUT_ALGOS
 
 
@@ -46,7 +46,7 @@ class ContextParallelSettings:
     #: hierarchical CP: a Ulysses all-to-all over heads inside groups of this many consecutive SP
     #: ranks, the ring across them (1: the plain ring; sequence_parallel_size: pure Ulysses)
     ulysses_size: int = 1
-    #: the ring timeout in seconds (:func:`striped_sp.ring.set_ring_timeout`, applied when the model is
+    #: the ring timeout in seconds (:func:`striped_sp.engine.transport.set_ring_timeout`, applied when the model is
     #: adapted); ``None``: ``$STRIPED_SP_RING_TIMEOUT_S`` or 600
     timeout_s: float | None = None
     #: striped only: tokens dealt to ranks in stripes of this many (1: token by token)

@@ -37,8 +37,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..agreement import gather_rows, per_call_checks_enabled
-from ..layouts import get_layout, positions
+from ..engine.agreement import gather_rows, per_call_checks_enabled
+from ..plan.layouts import get_layout, positions
 from .packed import CU_KEYS, MAX_KEYS, find_documents, pack_rows
 
 __all__ = ["shard_batch", "ShardedDataLoader", "ShardingCollator", "IGNORE_INDEX", "check_same_batch"]
@@ -177,7 +177,7 @@ def _digest(batch: Mapping[str, Any]) -> list[int]:
 
 def check_same_batch(batch: Mapping[str, Any], group) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all hold the same full micro-batch
-    (one small all-gather of shapes and checksums, :func:`striped_sp.agreement.gather_rows`)."""
+    (one small all-gather of shapes and checksums, :func:`striped_sp.engine.agreement.gather_rows`)."""
     rows = gather_rows(group, _digest(batch), what="check_same_batch")
     if any(row != rows[0] for row in rows):
         differ = [r for r, row in enumerate(rows) if row != rows[0]]

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..layouts import ALGOS, positions
-from ..request import RingRequest, window_of
+from ..plan.layouts import ALGOS, positions
+from ..engine.request import RingRequest, window_of
 
 __all__ = ["DistributedAttention"]
 

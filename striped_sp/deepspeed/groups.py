@@ -112,7 +112,7 @@ def ulysses_groups(groups: SequenceParallelGroups, ulysses_size: int):
     ranks with one all-gather, then builds all inner and outer groups in the same order)."""
     if ulysses_size == 1 or groups.group is None:
         return None
-    from ..ulysses import ulysses_ring_groups
+    from ..engine.ulysses import ulysses_ring_groups
 
     mine = dist.get_process_group_ranks(groups.group)
     every = [None] * dist.get_world_size()

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from ..agreement import CHECK_RANKS_ENV, agreeing, per_call_checks_enabled
-from ..layouts import positions
-from ..masks import as_bounds
-from ..packing import document_positions
-from ..request import RingRequest, window_of
+from ..engine.agreement import CHECK_RANKS_ENV, agreeing, per_call_checks_enabled
+from ..plan.layouts import positions
+from ..plan.masks import as_bounds
+from ..plan.packing import document_positions
+from ..engine.request import RingRequest, window_of
 
 __all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "hf_window", "register_hf_attention"]
 
@@ -188,7 +188,7 @@ _BATCH = None  # (cu_seq_lens_q, cu_seq_lens_k, their versions, bounds) of the b
 
 def hf_window(sliding_window, causal: bool = True):
     """transformers' ``sliding_window=W`` as ``window_size=(W - 1, 0)``; ``None`` without one
-    (:func:`striped_sp.request.window_of`)."""
+    (:func:`striped_sp.engine.request.window_of`)."""
     return window_of(None, sliding_window, causal)
 
 

@@ -127,7 +127,7 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
     from .hf import enable_hf_attention
 
     if settings.timeout_s is not None:  # context_parallel.timeout_s
-        from ..ring import set_ring_timeout
+        from ..engine.transport import set_ring_timeout
 
         set_ring_timeout(settings.timeout_s)
     _swap_deepspeed_attention(model, settings)

@@ -23,8 +23,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ..masks import check_cu_seqlens
-from ..packing import PaddedDocuments, pad_documents
+from ..plan.masks import check_cu_seqlens
+from ..plan.packing import PaddedDocuments, pad_documents
 
 __all__ = ["RowDocuments", "find_documents", "pack_rows", "shift_within_documents", "CU_KEYS", "MAX_KEYS"]
 
@@ -173,7 +173,7 @@ def pack_rows(batch: Mapping[str, Any], docs: RowDocuments, world_size: int, lay
     documents, ``ignore_index`` on padding; ``position_ids`` restarting at 0 per padded document;
     ``cu_seq_lens_q/k`` int32 and ``max_length_q/k`` of the padded row; TRL's ``seq_idx``, if given,
     rebuilt as the document index of every token of the padded row; no ``attention_mask`` and no
-    ``labels``) and the :class:`~striped_sp.packing.PaddedDocuments` (its ``cu_seqlens`` are the
+    ``labels``) and the :class:`~striped_sp.plan.packing.PaddedDocuments` (its ``cu_seqlens`` are the
     boundaries to shard with).  Nothing is sharded here."""
     ids = batch["input_ids"]
     b, s = ids.shape

@@ -16,16 +16,16 @@ A causal call is square (``seq_q == seq_k``, diagonal kept), except the aligned 
 
 ``forward_native`` / ``backward_native`` are the same calls on tensors in the kernel's
 :attr:`Kernel.tensor_format` (``"bshd"``, or ``"bhsd"`` = ``[batch, heads, seq, head_dim]`` for
-PyTorch's SDPA ops): the ring converts once at entry and calls these (:mod:`striped_sp.step`).
+PyTorch's SDPA ops): the ring converts once at entry and calls these (:mod:`striped_sp.engine.step`).
 
-Packed documents and sliding windows add two entry points (:mod:`striped_sp.varlen`):
+Packed documents and sliding windows add two entry points (:mod:`striped_sp.kernels.varlen`):
 
 ``forward_varlen(q, k, v, segments, scale, acc_out, acc_lse)`` / ``backward_varlen(dout, q, k, v, out, lse, segments, scale, dq, dk, dv)``
-    many band segments (:class:`striped_sp.masks.Segments`) of the whole local tensors, merged
+    many band segments (:class:`striped_sp.plan.masks.Segments`) of the whole local tensors, merged
     into float32 accumulators ``acc_out`` ``[b, s, h, d]`` / ``acc_lse`` ``[b, h, s]`` (forward)
     or added into float32 ``dq`` / ``dk`` / ``dv`` (backward).  Kernels with a native varlen
     function (flash-attn, PyTorch's CUDA flash op) run it once per window class; the others cover
-    the segments with direct calls and batched masked calls (:mod:`striped_sp.schedule`):
+    the segments with direct calls and batched masked calls (:mod:`striped_sp.kernels.schedule`):
 ``forward_masked(q, k, v, mask, scale)`` / ``backward_masked(dout, q, k, v, out, lse, mask, scale)``
     ``mask``: bool ``[batch or 1, 1, seq_q, seq_k]``, True = visible; every row sees a key.
 """
@@ -67,7 +67,7 @@ class Kernel:
 
     name = ""
     #: the memory format the ring hands to :meth:`forward_native` / :meth:`backward_native`:
-    #: ``"bshd"`` or ``"bhsd"`` (:mod:`striped_sp.step`)
+    #: ``"bshd"`` or ``"bhsd"`` (:mod:`striped_sp.engine.step`)
     tensor_format = "bshd"
     #: the striped strict block's form unless ``$STRIPED_SP_STRICT_BLOCK`` says otherwise
     default_strict_block = "sliced"
@@ -110,11 +110,11 @@ class Kernel:
         raise NotImplementedError(f"backend {self.name!r} has no masked attention call")
 
     def forward_varlen(self, q, k, v, segments, scale: float, acc_out, acc_lse) -> None:
-        from ..varlen import varlen_forward
+        from .varlen import varlen_forward
 
         varlen_forward(self, q, k, v, segments, scale, acc_out, acc_lse)
 
     def backward_varlen(self, dout, q, k, v, out, lse, segments, scale: float, dq, dk, dv) -> None:
-        from ..varlen import varlen_backward
+        from .varlen import varlen_backward
 
         varlen_backward(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv)

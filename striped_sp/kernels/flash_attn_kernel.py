@@ -124,7 +124,7 @@ class FlashAttnKernel(Kernel):
         return None
 
     def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
-        from ..varlen import native_varlen_forward
+        from .varlen import native_varlen_forward
 
         mod = self._module()
 
@@ -141,7 +141,7 @@ class FlashAttnKernel(Kernel):
         native_varlen_forward(call, q, k, v, segments, acc_out, acc_lse)
 
     def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
-        from ..varlen import native_varlen_backward
+        from .varlen import native_varlen_backward
 
         mod = self._module()
 

@@ -303,7 +303,7 @@ class TorchKernel(Kernel):
     def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
         if not self._native_varlen(q):
             return super().forward_varlen(q, k, v, segments, scale, acc_out, acc_lse)
-        from ..varlen import native_varlen_forward
+        from .varlen import native_varlen_forward
 
         h = q.size(2)
 
@@ -318,7 +318,7 @@ class TorchKernel(Kernel):
     def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
         if not self._native_varlen(q):
             return super().backward_varlen(dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
-        from ..varlen import native_varlen_backward
+        from .varlen import native_varlen_backward
 
         h, kvh = q.size(2), k.size(2)
 

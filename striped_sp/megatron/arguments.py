@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-from ..layouts import ALGOS as LAYOUT_ALGOS, get_layout
+from ..plan.layouts import ALGOS as LAYOUT_ALGOS, get_layout
 from .layout_flags import doc_placement_of, stripe_arg, stripe_size_of
-from ..ring import set_ring_timeout
+from ..engine.transport import set_ring_timeout
 
 
 #: algo name -> this project's layout (``None``: Megatron/Transformer Engine's own path).
@@ -334,7 +334,7 @@ def _check_striped_flags(args, key: str) -> None:
 
 def _apply_timeout(args) -> None:
     """``--context-parallel-timeout-s``: checked, then made the ring timeout of this process
-    (:func:`striped_sp.ring.set_ring_timeout`; validate_args runs on every rank)."""
+    (:func:`striped_sp.engine.transport.set_ring_timeout`; validate_args runs on every rank)."""
     seconds = getattr(args, "context_parallel_timeout_s", None)
     if seconds is None:
         return

@@ -23,9 +23,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..agreement import agreeing
-from ..layouts import get_layout, positions
-from ..request import RingRequest
+from ..engine.agreement import agreeing
+from ..plan.layouts import get_layout, positions
+from ..engine.request import RingRequest
 from . import packed
 from .arguments import kernel_backend_of, layout_of
 
@@ -251,7 +251,7 @@ class ContextParallelAttention(MegatronModule):
 
     def _flattens(self, local_len: int) -> bool:
         """Whether the rows of a ``[b, local_len]`` shard run as one flattened row
-        (:meth:`striped_sp.layouts.Layout.flattens_rows`)."""
+        (:meth:`striped_sp.plan.layouts.Layout.flattens_rows`)."""
         return self._layout.flattens_rows(local_len)
 
     def _request(self, causal: bool) -> RingRequest:
@@ -328,7 +328,7 @@ def _layer_window(config, layer_number: int):
 def _vet_local_mask(mask: torch.Tensor, group, layout: str, local_len: int):
     """A mask that did not come through our batch slicing: accept it only if its local rows are
     the plain causal mask (what the ring runs); documents need :func:`get_batch_on_this_cp_rank`.
-    Once per mask object; the ranks agree (:func:`striped_sp.agreement.agreeing`, one small exchange)
+    Once per mask object; the ranks agree (:func:`striped_sp.engine.agreement.agreeing`, one small exchange)
     before any of them raises, so a rank whose rows look causal never waits in the ring for one that
     refused."""
     size = _group_size(group)

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..layouts import get_layout, shard, unshard
+from ..plan.layouts import get_layout, shard, unshard
 from . import packed
 from .arguments import algo_name, check_algo, layout_of
 
@@ -168,7 +168,7 @@ def get_thd_batch_on_this_cp_rank(
     lay.check_seq_len(seq_len, cp_size)
     bounds = packed.documents_of(params, seq_len, layout)
     # zigzag and a striped doc_placement place tokens by the documents; the others ignore them
-    from ..masks import check_cu_seqlens
+    from ..plan.masks import check_cu_seqlens
 
     check_cu_seqlens(bounds, seq_len, cp_size, lay)
     for key, val in batch.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..placement import check_placement, check_stripe_size
+from ..plan.placement import check_placement, check_stripe_size
 
 __all__ = ["stripe_arg", "stripe_size_of", "doc_placement_of"]
 
@@ -36,10 +36,10 @@ def stripe_size_of(args) -> int | str:
 
 
 def _auto_stripe(args) -> int | str:
-    """``--striped-stripe-size auto``: :func:`striped_sp.stripe_choice.choose_stripe_size` for this
+    """``--striped-stripe-size auto``: :func:`striped_sp.plan.stripe_choice.choose_stripe_size` for this
     model's rows (``--sft``: packed) and its window layers (``--window-size``, with
     ``--window-attn-skip-freq`` choosing the full-attention layers, as megatron-core counts them)."""
-    from ..stripe_choice import choose_stripe_size
+    from ..plan.stripe_choice import choose_stripe_size
 
     window = getattr(args, "window_size", None)
     left = int(window[0]) if window is not None else -1

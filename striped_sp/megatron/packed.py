@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..layouts import get_layout
+from ..plan.layouts import get_layout
 
 __all__ = ["keeps_padding", "thd_bounds", "documents_of", "documents_from_mask", "attach", "attached", "flatten_rows",
            "batch_seq_len"]

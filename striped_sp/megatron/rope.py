@@ -19,8 +19,8 @@ import weakref
 
 import torch
 
-from ..layouts import positions
-from ..packing import document_positions
+from ..plan.layouts import positions
+from ..plan.packing import document_positions
 from .arguments import layout_of
 
 __all__ = ["get_pos_emb_on_this_cp_rank", "apply_rotary_pos_emb_thd", "cpu_fallback"]

@@ -13,7 +13,7 @@ What is checked when (every ``ValueError`` names the value and the rule):
   of ``cu_seqlens`` (1-D integers);
 * each call, before any rank sends a message: q/k/v shapes, dtypes and devices; the kernel for the
   device, dtype and head dim (cached); the mask on the global row (cached per local length); the
-  Ulysses groups (once); then the cross-rank agreement (:mod:`striped_sp.agreement`: one small
+  Ulysses groups (once); then the cross-rank agreement (:mod:`striped_sp.engine.agreement`: one small
   exchange per new signature, nothing afterwards).  A call whose checks fail tells the group's
   other ranks before it raises.
 """
@@ -28,13 +28,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .agreement import agree, agreeing, check_ranks_enabled
-from .attention import _RingAttention
-from .kernels import BACKENDS, Kernel, accumulator_dtype, gqa_probe_enabled, resolve_kernel
-from .layouts import Layout, get_layout
-from .masks import MaskSpec, as_bounds, check_window, make_mask
-from .ring import ring_timeout
+from .autograd import _RingAttention
+from ..kernels import BACKENDS, Kernel, accumulator_dtype, gqa_probe_enabled, resolve_kernel
+from ..plan.layouts import Layout, get_layout
+from ..plan.masks import MaskSpec, as_bounds, check_window, make_mask
+from .transport import ring_timeout
 from .step import strict_block_mode
-from .ulysses import GroupedLayout, check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads, ulysses_ring_groups
+from ..plan.grouped import GroupedLayout
+from .ulysses import check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads, ulysses_ring_groups
 
 __all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of"]
 
@@ -221,7 +222,7 @@ class RingRequest:
         return mask
 
     def _agree(self, q, k, v, group, call: _Call, timeout) -> None:
-        """Every rank of ``group`` passed the same signature (:func:`striped_sp.agreement.agree`: one
+        """Every rank of ``group`` passed the same signature (:func:`striped_sp.engine.agreement.agree`: one
         small exchange the first time the group sees it, nothing afterwards); else a ``ValueError`` on
         every rank naming the field and both values."""
         mask = call.mask
@@ -332,7 +333,7 @@ def ring_attention(
         deterministic: bitwise-reproducible backward (Megatron's ``--deterministic-mode``): the
             ring's order is fixed; on CUDA the kernel must be flash-attn (its deterministic mode)
             or ``math``; PyTorch's fused CUDA ops are refused with a ``ValueError``.
-        ulysses_size: ``u > 1`` runs hierarchical CP (:mod:`striped_sp.ulysses`): an all-to-all
+        ulysses_size: ``u > 1`` runs hierarchical CP (:mod:`striped_sp.engine.ulysses`): an all-to-all
             over heads inside groups of ``u`` consecutive ranks of ``group``, the ring across
             them.  The inputs stay sharded by ``shard(x, N, rank, layout)`` over the whole group.
             ``u`` must divide ``N`` and ``heads``; kv heads must divide by ``u`` or divide it.  Every
@@ -347,14 +348,14 @@ def ring_attention(
             ``layout="striped:stripe=128,place=auto"``): tokens dealt in stripes of ``stripe_size``,
             and with ``cu_seqlens`` documents kept whole on one rank (``"auto"`` or an int, the
             longest whole document) or striped (``"split"``, the default); see
-            :mod:`striped_sp.placement`.  Shard with the same parameters.
+            :mod:`striped_sp.plan.placement`.  Shard with the same parameters.
         grad_comm_dtype: the dtype dK/dV travel the ring in during backward (default float32:
             every hop adds in fp32, so the error does not grow with the ring size); bfloat16 or
             float16 halve those bytes at the cost of one rounding per hop (docs/benchmarks.md,
             section 8 has the measured error against N).
         timeout: seconds a rank waits for a ring transfer (or the ranks' agreement) before it
             raises ``TimeoutError`` naming itself, the peer and the step; default
-            :func:`striped_sp.ring.ring_timeout` (``$STRIPED_SP_RING_TIMEOUT_S``, else 600).  CPU
+            :func:`striped_sp.engine.transport.ring_timeout` (``$STRIPED_SP_RING_TIMEOUT_S``, else 600).  CPU
             tensors (gloo); on CUDA the process group's own timeout applies.
 
     Returns:
@@ -364,7 +365,7 @@ def ring_attention(
     Every argument is checked before any message is sent; bad ones raise ``ValueError``.
     The first call with a new signature (shapes, dtype, layout, mask, window, causal, scale, Ulysses
     size, kernel, grad_comm_dtype, deterministic) also checks, with one small exchange cached
-    afterwards (:mod:`striped_sp.agreement`), that every rank of the group passed the same; ranks that
+    afterwards (:mod:`striped_sp.engine.agreement`), that every rank of the group passed the same; ranks that
     disagree all raise a ``ValueError`` naming the field.  ``STRIPED_SP_CHECK_RANKS=0`` turns it off.
     """
     if group is None:

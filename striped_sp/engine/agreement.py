@@ -18,7 +18,7 @@ steady state sends nothing.  Ranks that call with the same sequence of signature
 cache and skip the exchange together.  What the cache cannot see: one rank calling with a
 signature it agreed on before while another calls with a new one (the first skips the check, the
 second waits for it); such a rank is then stopped by the exchange's timeout (the ring timeout,
-:func:`striped_sp.ring.ring_timeout`), with a message that says so.
+:func:`striped_sp.engine.transport.ring_timeout`), with a message that says so.
 
 ``$STRIPED_SP_CHECK_RANKS``: ``1`` (the default) checks, ``0`` turns the check off (ranks that
 disagree then go unnoticed), ``always`` checks every call without the cache (one small exchange per

@@ -15,7 +15,7 @@ attention runs in one piece, at the ring's first step, with no transfer.  This m
   ``stripe_size`` tokens (stripe ``g`` to rank ``g mod N``).
 
 The result, per rank, is a table of runs ``(local_start, first_position, count, step)``
-(:meth:`striped_sp.layouts.Layout.run_table`): striped runs first, then the pieces of cut
+(:meth:`striped_sp.plan.layouts.Layout.run_table`): striped runs first, then the pieces of cut
 documents, then whole documents.  It is a pure function of the boundaries, ``N``, the stripe size
 and the policy, so every rank, the data loader and the ring compute the same placement.
 """
@@ -81,7 +81,7 @@ def check_placement(doc_placement):
 
 
 def check_stripe_size(stripe_size):
-    """A positive int, or ``"doc"`` (per-document stripes, :mod:`striped_sp.doc_stripes`); else ``ValueError``."""
+    """A positive int, or ``"doc"`` (per-document stripes, :mod:`striped_sp.plan.doc_stripes`); else ``ValueError``."""
     if stripe_size == "doc" and isinstance(stripe_size, str):
         return "doc"
     if isinstance(stripe_size, numbers.Integral) and not isinstance(stripe_size, bool) and stripe_size >= 1:

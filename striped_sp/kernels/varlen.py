@@ -1,13 +1,13 @@
 """Varlen calls (many band segments at once) straight into the ring's accumulators.
 
 ``q`` ``[b, Lq, h, d]`` and ``k``/``v`` ``[b, Lk, kv_heads, d]`` are a rank's whole local tensors;
-the segments say which rows take part (:class:`~striped_sp.masks.Segments`).  Forward merges each
+the segments say which rows take part (:class:`~striped_sp.plan.masks.Segments`).  Forward merges each
 result into float32 accumulators ``acc_out`` ``[b, Lq, h, d]`` / ``acc_lse`` ``[b, h, Lq]`` (rows
 not seen yet hold 0 / -inf); backward adds float32 gradients into ``dq`` / ``dk`` / ``dv``.  No
 input is copied as a whole: direct calls take slices, batched calls gather only their rows.
 
 * :func:`varlen_forward` / :func:`varlen_backward`: kernels without a varlen entry point, through
-  the pieces of :func:`striped_sp.schedule.schedule` (a row may be covered by several pieces);
+  the pieces of :func:`striped_sp.kernels.schedule.schedule` (a row may be covered by several pieces);
 * :func:`native_varlen_forward` / :func:`native_varlen_backward`: kernels with one (flash-attn,
   PyTorch's CUDA flash op), called once per window class on the gathered rows.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .step import merge_block_safe as _merge
-from .masks import Segments, _ranges
+from .merge import merge_block_safe as _merge
+from .segments import Segments, _ranges
 from .schedule import TILE, Batch, schedule
 
 __all__ = ["TILE", "schedule", "varlen_forward", "varlen_backward", "native_varlen_forward",

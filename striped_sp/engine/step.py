@@ -1,5 +1,5 @@
 """One rank's work in one ring step: the block's kernel calls and their fp32 merge, forward and
-backward, in the kernel's own tensor format.  The ring (:mod:`striped_sp.attention`) and the
+backward, in the kernel's own tensor format.  The ring (:mod:`striped_sp.engine.autograd`) and the
 one-device simulator (:mod:`striped_sp.bench.sim`) both run these functions.
 
 Tensor formats (:attr:`striped_sp.kernels.Kernel.tensor_format`):
@@ -31,9 +31,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
-
-from .kernels import accumulator_dtype
+from ..kernels import accumulator_dtype
+from ..kernels.merge import merge_block, merge_block_safe
 
 __all__ = ["merge_block", "merge_block_safe", "Accumulator", "to_format", "from_format", "seq_slice",
            "forward_step", "backward_step", "head_splits", "strict_block_mode", "STRICT_BLOCK_ENV"]
@@ -60,36 +59,6 @@ def from_format(x: torch.Tensor, fmt: str, dtype: torch.dtype | None = None) -> 
 def seq_slice(x: torch.Tensor, rows: slice, fmt: str) -> torch.Tensor:
     """The view of sequence rows ``rows`` of ``x`` in ``fmt``."""
     return x[:, rows] if fmt == "bshd" else x[:, :, rows]
-
-
-def _lse_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``[b, h, s]`` per-row weights, broadcastable against an output in ``fmt``."""
-    return (w.transpose(1, 2) if fmt == "bshd" else w).unsqueeze(-1)
-
-
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                fmt: str = "bshd") -> None:
-    """Fold one block's result into the running accumulators, in place.
-
-    ``out``: float32 in ``fmt``; ``lse``: float32 ``[b, h, s]`` (views of the accumulators for the
-    block's query rows; float64 both for float64 inputs); ``block_out`` in ``fmt``, any float dtype;
-    ``block_lse`` ``[b, h, s]``, taken in ``lse``'s dtype.  Uses the sigmoid form of the softmax merge, which never subtracts two large
-    exponents: ``out += sigmoid(lse_b - lse) * (out_b - out)``, ``lse -= logsigmoid(lse - lse_b)``.
-    """
-    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
-    weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
-    out.lerp_(block_out.to(out.dtype), weight)  # one pass, no temporaries
-    lse.sub_(F.logsigmoid(lse - block_lse))
-
-
-def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                     fmt: str = "bshd") -> None:
-    """:func:`merge_block` for accumulators that may still hold rows with ``lse = -inf`` (no key
-    seen yet, under a document or window mask): the new lse is a ``logaddexp``."""
-    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
-    weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
-    out.lerp_(block_out.to(out.dtype), weight)
-    torch.logaddexp(lse, block_lse, out=lse)
 
 
 class Accumulator:
@@ -124,7 +93,7 @@ def _aligned(call, aligned: bool) -> bool:
 
 
 def forward_step(kernel, q, k, v, calls, scale: float, acc: Accumulator, aligned: bool = False) -> None:
-    """Run ``calls`` (:class:`striped_sp.layouts.BlockCall`) of one ring step in ``acc.fmt``
+    """Run ``calls`` (:class:`striped_sp.plan.layouts.BlockCall`) of one ring step in ``acc.fmt``
     (``q`` ``[b, s, h, d]`` or ``[b, h, s, d]``, ``k``/``v`` with kv heads) and merge each result
     into ``acc``.  ``aligned``: strict calls run in the aligned form (module docstring)."""
     fmt = acc.fmt

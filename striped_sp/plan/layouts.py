@@ -18,7 +18,7 @@ With packed documents (``cu_seqlens``) ``striped`` and ``contiguous`` keep their
 ``zigzag`` follows Transformer Engine's THD rule: every document (padded to a multiple of ``2N``)
 is cut into ``2N`` chunks and rank ``r`` holds chunks ``r`` and ``2N-1-r`` of each.  Every layout
 describes its tokens as *runs* (local start, first position, count) with one stride, from which
-both the positions and the masked block plans (:mod:`striped_sp.masks`) derive.
+both the positions and the masked block plans (:mod:`striped_sp.plan.masks`) derive.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class BlockCall:
     the call uses the (square, diagonal-kept) causal mask or attends to every key.  ``strict``
     marks the striped strict block ``q[1:]`` x ``k[:-1]`` (keys strictly before the queries), which
     kernels with a bottom-right causal mask may run as all queries x ``k[:-1]``
-    (:mod:`striped_sp.step`).
+    (:mod:`striped_sp.engine.step`).
     """
 
     q: slice
@@ -234,9 +234,9 @@ class Striped(Layout):
     """Rank ``r`` holds tokens ``r, r+N, r+2N, ...`` (``stripe_size=1``), or stripes of
     ``stripe_size`` tokens dealt round-robin: stripe ``g`` (tokens ``g*s .. g*s+s-1``) goes to rank
     ``g mod N``; ``stripe_size="doc"``: per document, ``2N`` stripes of about ``L / 2N`` tokens dealt
-    in a round trip (ranks ``0 .. N-1``, then ``N-1 .. 0``; :mod:`striped_sp.doc_stripes`), so that
+    in a round trip (ranks ``0 .. N-1``, then ``N-1 .. 0``; :mod:`striped_sp.plan.doc_stripes`), so that
     every ring block is a few large dense rectangles.  ``doc_placement`` (packed rows,
-    :mod:`striped_sp.placement`): ``"split"`` stripes every document over all ranks; ``"auto"`` or
+    :mod:`striped_sp.plan.placement`): ``"split"`` stripes every document over all ranks; ``"auto"`` or
     an int ``L`` keeps documents of at most ``L`` tokens (``"auto"``: a length the cost model picks)
     whole on one rank, dealt by a balancing solver, and stripes the rest."""
 

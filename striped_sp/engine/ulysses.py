@@ -24,44 +24,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .layouts import Layout, get_layout
 
-__all__ = ["GroupedLayout", "ulysses_ring_groups", "check_ulysses", "check_ulysses_groups", "seq_to_heads",
+__all__ = ["ulysses_ring_groups", "check_ulysses", "check_ulysses_groups", "seq_to_heads",
            "heads_to_seq"]
-
-
-class GroupedLayout(Layout):
-    """The tokens of ``u`` consecutive ranks of ``base`` on ``N = r * u`` ranks, member after
-    member, as one rank of ``r``: the token layout the outer ring sees after the all-to-all."""
-
-    def __init__(self, base: Layout, u: int):
-        self.base, self.u = base, u
-        self.name = f"{base.name}/u{u}"
-        self.seq_multiple = base.seq_multiple
-        self.dense_plans = False
-
-    @property
-    def key(self) -> str:
-        return f"{self.base.key}/u{self.u}"
-
-    def check_seq_len(self, seq_len, world_size):
-        self.base.check_seq_len(seq_len, world_size * self.u)
-
-    def stride(self, world_size):
-        return self.base.stride(world_size * self.u)
-
-    def runs(self, seq_len, world_size, rank, cu_seqlens=None):
-        n_base = world_size * self.u
-        local = seq_len // n_base
-        parts = []
-        for j in range(self.u):
-            runs = self.base.run_table(seq_len, n_base, rank * self.u + j, cu_seqlens).clone()
-            runs[:, 0] += j * local
-            parts.append(runs)
-        return torch.cat(parts)
-
-    def causal_plan(self, rank, source, world_size, local_len):
-        raise NotImplementedError("a GroupedLayout runs the engine's masked plans only")
 
 
 def check_ulysses(u: int, world_size: int, heads: int, kv_heads: int) -> None:
@@ -182,8 +147,3 @@ def seq_to_heads(x: torch.Tensor, group, u: int) -> torch.Tensor:
 def heads_to_seq(x: torch.Tensor, group, u: int) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`.  Differentiable."""
     return _AllToAll.apply(x, group, u, False)
-
-
-def grouped_layout(layout, u: int) -> GroupedLayout:
-    """The outer ring's layout for ``layout`` with Ulysses groups of ``u``."""
-    return GroupedLayout(get_layout(layout), u)

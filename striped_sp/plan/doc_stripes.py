@@ -15,7 +15,7 @@ entries whose whole tokens stay within :data:`TOKEN_SLACK` of an even share (so 
 stripes, which fill the rest, stay near even); one that fits nowhere is split instead.
 
 :func:`place` returns the per-rank run tables; :func:`step_entries` the exact score entries of
-every (rank, ring step) that the block plans will hold, which :mod:`striped_sp.placement` uses for
+every (rank, ring step) that the block plans will hold, which :mod:`striped_sp.plan.placement` uses for
 balance and for the cost model's prediction.
 """
 

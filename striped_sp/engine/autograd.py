@@ -1,8 +1,7 @@
 """Exact ring attention: the autograd function and the merge.
 
-The public entry points, :func:`~striped_sp.request.ring_attention` and
-:class:`~striped_sp.request.RingRequest`, check the arguments and call :class:`_RingAttention`
-(:mod:`striped_sp.request`); they stay importable from here."""
+The public entry points, :func:`~striped_sp.engine.request.ring_attention` and
+:class:`~striped_sp.engine.request.RingRequest`, check the arguments and call :class:`_RingAttention`."""
 
 from __future__ import annotations
 
@@ -10,13 +9,13 @@ import contextlib
 
 import torch
 
-from .kernels import Kernel, accumulator_dtype
-from .layouts import Layout
-from .masks import MaskSpec, ring_plans, shared_rows
-from .ring import Ring
+from ..kernels import Kernel, accumulator_dtype
+from ..plan.layouts import Layout
+from ..plan.masks import MaskSpec, ring_plans, shared_rows
+from .transport import Ring
 from .step import Accumulator, backward_step, forward_step, from_format, merge_block, to_format
 
-__all__ = ["ring_attention", "striped_attention", "merge_block"]
+__all__ = ["_RingAttention"]
 
 
 @contextlib.contextmanager
@@ -49,7 +48,7 @@ class _RingAttention(torch.autograd.Function):
     waited for *before* the step's kernels, so the ones sent the step before are freed first
     (the dK/dV transfer then overlaps with the K/V wait, not the kernels); each kernel call's
     gradients are added and dropped at once, its heads split in two halves
-    (:func:`striped_sp.step.head_splits`); a visiting K/V block is dropped once passed on."""
+    (:func:`striped_sp.engine.step.head_splits`); a visiting K/V block is dropped once passed on."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, kernel: Kernel,
@@ -152,7 +151,7 @@ def _shift_kv(ring: Ring, k_cur, v_cur, step: int, steps: int, shared: list[int]
 
 
 def shared_rows_of(layout: Layout, mask: MaskSpec, n: int) -> list[int] | None:
-    """Per rank, the rows the ring carries (:func:`striped_sp.masks.shared_rows`); ``None`` when
+    """Per rank, the rows the ring carries (:func:`striped_sp.plan.masks.shared_rows`); ``None`` when
     every rank shares all of them (the plain ring).  Cached like the plans: every layer reuses it."""
     key = (layout.key, mask, n)
     if key not in _SHARED:
@@ -171,13 +170,3 @@ def _plans(layout: Layout, mask: MaskSpec | None, causal: bool, n: int, rank: in
     if mask is not None:
         return ring_plans(layout, mask, n, rank)
     return [layout.plan(rank, (rank - t) % n, n, local_len, causal) for t in range(n)]
-
-
-def __getattr__(name):
-    """``ring_attention`` / ``striped_attention`` live in :mod:`striped_sp.request` (which imports this
-    module); still importable from here."""
-    if name in ("ring_attention", "striped_attention"):
-        from . import request
-
-        return getattr(request, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """How a varlen call (many band segments) is covered with few fused kernel calls.
 
 For kernels without a varlen entry point (PyTorch's CPU flash op, the math reference, the CUDA
-memory-efficient op), :func:`schedule` turns :class:`~striped_sp.masks.Segments` into *pieces*,
+memory-efficient op), :func:`schedule` turns :class:`~striped_sp.plan.masks.Segments` into *pieces*,
 every one a single kernel call whose rows all see at least one key; the executor
-(:mod:`striped_sp.varlen`) merges the pieces' ``(out, lse)`` row by row, so a row may be covered
+(:mod:`striped_sp.kernels.varlen`) merges the pieces' ``(out, lse)`` row by row, so a row may be covered
 by several pieces:
 
 * **direct**: one plain call on slices: a large full rectangle, or a causal square.  A large
@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from .masks import INF, Segments, _ranges
+from .segments import INF, Segments, _ranges
 
 __all__ = ["TILE", "LEAF", "Direct", "Batch", "Schedule", "schedule"]
 

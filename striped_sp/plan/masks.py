@@ -29,10 +29,11 @@ import threading
 
 import torch
 
+from ..kernels.segments import INF, Segments, _band_entries, _ranges
+
 __all__ = ["MaskSpec", "Segments", "SegmentCall", "check_cu_seqlens", "check_window", "make_mask", "shared_rows",
            "block_plan", "ring_plans"]
 
-INF = 1 << 40
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -132,78 +133,6 @@ def make_mask(seq_len, world_size, layout, cu_seqlens=None, window_size=None, ca
 
 
 @dataclasses.dataclass
-class Segments:
-    """The segments of one varlen call (the flash-attn varlen convention).
-
-    Segment ``t`` has ``lq = cu_q[t+1] - cu_q[t]`` queries starting at local row ``q_start[t]``
-    and ``lk = cu_k[t+1] - cu_k[t]`` keys starting at local row ``k_start[t]`` (``cu_q`` / ``cu_k``
-    are the offsets of the segments once packed back to back); query ``x`` sees key ``y`` iff
-    ``x + sh - wl <= y <= x + sh + wr`` with ``sh = lk - lq`` (bottom-right aligned; ``-1`` =
-    unbounded).  Query rows of different segments are distinct.  int64 CPU tensors; the starts
-    default to the packed offsets."""
-
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    wl: torch.Tensor
-    wr: torch.Tensor
-    q_start: torch.Tensor | None = None
-    k_start: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if self.q_start is None:
-            self.q_start = self.cu_q[:-1]
-        if self.k_start is None:
-            self.k_start = self.cu_k[:-1]
-
-    def __len__(self) -> int:
-        return self.wl.numel()
-
-    @property
-    def lq(self) -> torch.Tensor:
-        return self.cu_q[1:] - self.cu_q[:-1]
-
-    @property
-    def lk(self) -> torch.Tensor:
-        return self.cu_k[1:] - self.cu_k[:-1]
-
-    def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(lo, hi)``: segment-local ``lo <= y - x <= hi`` (±2**40 when unbounded)."""
-        sh = self.lk - self.lq
-        lo = torch.where(self.wl < 0, torch.full_like(sh, -INF), sh - self.wl)
-        hi = torch.where(self.wr < 0, torch.full_like(sh, INF), sh + self.wr)
-        return lo, hi
-
-    def entries(self) -> int:
-        """Visible score entries of all segments (per batch row and head)."""
-        return int(_band_entries(self.lq, self.lk, *self.offsets()).sum())
-
-    def dense_mask(self) -> torch.Tensor:
-        """Boolean ``[total_q, total_k]`` mask of the call (for references and small calls)."""
-        nq, nk = int(self.cu_q[-1]), int(self.cu_k[-1])
-        seg_q = torch.repeat_interleave(torch.arange(len(self)), self.lq)
-        seg_k = torch.repeat_interleave(torch.arange(len(self)), self.lk)
-        x = torch.arange(nq) - self.cu_q[:-1][seg_q]
-        y = torch.arange(nk) - self.cu_k[:-1][seg_k]
-        lo, hi = self.offsets()
-        d = y.unsqueeze(0) - x.unsqueeze(1)
-        same = seg_q.unsqueeze(1) == seg_k.unsqueeze(0)
-        return same & (d >= lo[seg_q].unsqueeze(1)) & (d <= hi[seg_q].unsqueeze(1))
-
-
-def _band_entries(lq, lk, lo, hi) -> torch.Tensor:
-    """Per segment, the number of (x, y) in [0,lq) x [0,lk) with lo <= y - x <= hi."""
-    if lq.numel() == 0:
-        return lq
-    seg = torch.repeat_interleave(torch.arange(lq.numel()), lq)
-    start = torch.cumsum(lq, 0) - lq
-    x = torch.arange(int(lq.sum())) - start[seg]
-    first = torch.clamp(x + lo[seg], min=0)
-    last = torch.minimum(x + hi[seg], lk[seg] - 1)
-    per_row = torch.clamp(last - first + 1, min=0)
-    return torch.zeros(lq.numel(), dtype=torch.int64).index_add_(0, seg, per_row)
-
-
-@dataclasses.dataclass
 class SegmentCall:
     """One varlen kernel call of a ring block: ``segments`` (the bands, with their local row
     starts: what the kernels run) and ``entries`` (visible score entries, for the work model).
@@ -228,16 +157,6 @@ class SegmentCall:
 
 def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
     return -torch.div(-a, b, rounding_mode="floor")
-
-
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated ``arange(s, s + l)`` for every (s, l)."""
-    total = int(lengths.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    offs = torch.cumsum(lengths, 0) - lengths
-    return starts[seg] + (torch.arange(total) - offs[seg])
 
 
 def _as_index(rows: torch.Tensor) -> slice | torch.Tensor:

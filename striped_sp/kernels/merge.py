@@ -1,0 +1,42 @@
+"""The softmax merge: fold one block's ``(out, lse)`` into running fp32 accumulators, in place.
+
+Formats as in :mod:`striped_sp.engine.step`: ``"bshd"`` (``[b, s, h, d]``) or ``"bhsd"``; log-sum-exps
+are ``[b, h, s]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["merge_block", "merge_block_safe"]
+
+
+def _lse_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``[b, h, s]`` per-row weights, broadcastable against an output in ``fmt``."""
+    return (w.transpose(1, 2) if fmt == "bshd" else w).unsqueeze(-1)
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                fmt: str = "bshd") -> None:
+    """Fold one block's result into the running accumulators, in place.
+
+    ``out``: float32 in ``fmt``; ``lse``: float32 ``[b, h, s]`` (views of the accumulators for the
+    block's query rows; float64 both for float64 inputs); ``block_out`` in ``fmt``, any float dtype;
+    ``block_lse`` ``[b, h, s]``, taken in ``lse``'s dtype.  Uses the sigmoid form of the softmax merge, which never subtracts two large
+    exponents: ``out += sigmoid(lse_b - lse) * (out_b - out)``, ``lse -= logsigmoid(lse - lse_b)``.
+    """
+    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
+    weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
+    out.lerp_(block_out.to(out.dtype), weight)  # one pass, no temporaries
+    lse.sub_(F.logsigmoid(lse - block_lse))
+
+
+def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                     fmt: str = "bshd") -> None:
+    """:func:`merge_block` for accumulators that may still hold rows with ``lse = -inf`` (no key
+    seen yet, under a document or window mask): the new lse is a ``logaddexp``."""
+    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
+    weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
+    out.lerp_(block_out.to(out.dtype), weight)
+    torch.logaddexp(lse, block_lse, out=lse)
