@@ -15,6 +15,7 @@ imported it by name, so ``from x import f`` copies follow too):
   whatever layer, stack and MTP specs it is given; HybridModel layers whose own context
   parallelism assumes zigzag (Mamba, gated delta net) are refused under other algos;
 * MTP's ``roll_tensor``: rolls along the global sequence in the layout;
+* multi-latent attention without Transformer Engine: the MLA module's ``HAVE_TE`` (:mod:`.mla`);
 * ``megatron.training.arguments.validate_args`` (when importable): also runs our checks.
 
 ``install`` is idempotent; calling it with another algo switches the algo.  ``uninstall``
@@ -29,7 +30,7 @@ import inspect
 import sys
 from typing import Callable
 
-from . import data, rope
+from . import data, mla, rope
 from .arguments import check_algo, validate_args as _validate_striped_args
 from .spec import patch_layer_spec
 from .version import check_supported
@@ -300,6 +301,11 @@ def _apply() -> None:
     if HybridModel is not None:
         _set(HybridModel, "__init__", _model_init_wrapper(
             HybridModel.__dict__["__init__"], ("hybrid_stack_spec",), _check_hybrid_layers))
+
+    # Multi-latent attention on the local spec without Transformer Engine (megatron-core 0.16.1).
+    fix = mla.te_flag_fix()
+    if fix is not None:
+        _set(*fix)
 
     # MTP roll.
     from megatron.core.transformer import multi_token_prediction
