@@ -146,7 +146,7 @@ def test_flash_varlen_op_contracts_and_values(cuda_branch, monkeypatch, heads):
     from striped_sp.kernels.segments import Segments
 
     shim = cuda_branch("values")
-    monkeypatch.setattr(TorchKernel, "_native_varlen", lambda self, q: True)
+    monkeypatch.setattr(TorchKernel, "native_varlen", lambda self, device, dtype, head_dim=None: True)
     # documents: two causal pieces and a windowed band
     segs = Segments(torch.tensor([0, 7, 19, 33]), torch.tensor([0, 7, 19, 33]), torch.tensor([-1, -1, 5]),
                     torch.tensor([0, 0, 0]))

@@ -203,7 +203,7 @@ def test_torch_cuda_varlen_path_on_meta(monkeypatch):
     """PyTorch's CUDA flash varlen op (and the memory-efficient op with a mask) on meta tensors:
     argument arity and output shapes of the path a GPU takes (values need a GPU)."""
     kernel = KERNELS["torch"]
-    monkeypatch.setattr(type(kernel), "_native_varlen", lambda self, q: True)
+    monkeypatch.setattr(type(kernel), "native_varlen", lambda self, device, dtype, head_dim=None: True)
     segs = _random_segments(random.Random(2), 10)
     nq, nk = _sizes(segs)
     meta = dict(device="meta", dtype=torch.bfloat16)

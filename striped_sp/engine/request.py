@@ -20,27 +20,78 @@ What is checked when (every ``ValueError`` names the value and the rule):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import numbers
+import threading
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .agreement import agree, agreeing, check_ranks_enabled
-from .autograd import _RingAttention
+from .autograd import RingAttention
 from ..kernels import BACKENDS, Kernel, accumulator_dtype, gqa_probe_enabled, resolve_kernel
 from ..plan.layouts import Layout, get_layout
 from ..plan.masks import MaskSpec, as_bounds, check_window, make_mask
-from .transport import ring_timeout
+from ..plan.ring_plan import RingPlan, build_ring_plan
+from .transport import TorchTransport, ring_timeout
 from .step import strict_block_mode
 from ..plan.grouped import GroupedLayout
 from .ulysses import check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads, ulysses_ring_groups
 
-__all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of"]
+__all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of", "PLANS", "plan_for"]
 
 _UNSET = object()
 _DERIVED = 8  # derived requests (documents, windows) kept per request: a few batches' worth
+
+
+class PlanCache:
+    """The plan cache: the last :data:`PLAN_CACHE_SIZE` batches' :class:`~striped_sp.plan.ring_plan.RingPlan`
+    per rank, keyed by the call's signature and the batch's boundaries, shared by every layer and
+    request of a process (so a batch is planned once, whichever layer asks first).  The only cache of
+    plans: the planners themselves keep none."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0
+
+    def get(self, key, build) -> RingPlan:
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        plan = build()
+        with self._lock:
+            self.builds += 1
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+#: plans of a few batches (the running one and those built ahead) for every layer kind of a model
+PLAN_CACHE_SIZE = 32
+PLANS = PlanCache(PLAN_CACHE_SIZE)
+
+
+def plan_for(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *, kernel,
+             scale: float, comm_dtype=torch.float32, strict_block: str = "sliced", device="cpu",
+             dtype=torch.float32, head_dim: int | None = None, batch: int = 1) -> RingPlan:
+    """The cached plan of one rank for one batch (:func:`striped_sp.plan.ring_plan.build_ring_plan`)."""
+    device = torch.device(device)
+    key = (layout.key, mask, causal, world_size, rank, local_len, kernel, scale, comm_dtype, strict_block,
+           device, dtype, head_dim, batch if mask is not None else None)
+    return PLANS.get(key, lambda: build_ring_plan(
+        layout, mask, causal, world_size, rank, local_len, kernel=kernel, scale=scale, comm_dtype=comm_dtype,
+        strict_block=strict_block, device=device, dtype=dtype, head_dim=head_dim, batch=batch))
 
 
 def window_of(window_size=None, sliding_window=None, causal: bool = True):
@@ -152,17 +203,26 @@ class RingRequest:
             self._agree(q, k, v, group, call, timeout)
         value_dim = v.size(-1)
         q, k, v = _equal_head_dims(q, k, v, call.kernel)
-        args = (call.scale, call.kernel, call.mask, call.comm, call.strict_block, timeout)
         if call.ulysses == 1 and not self.hierarchical:
-            return _value_columns(_RingAttention.apply(q, k, v, group, self.layout, self.causal, *args), value_dim)
+            transport = TorchTransport(group, timeout)
+            plan = self._plan(self.layout, call, transport, q, v)
+            return _value_columns(RingAttention.apply(q, k, v, plan, transport), value_dim)
         u = call.ulysses
         inner, outer = self.ulysses_groups if self.ulysses_groups is not None else ulysses_ring_groups(
             [dist.get_process_group_ranks(group)], u)
         if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
             k, v = (t.repeat_interleave(u // k.size(2), dim=2) for t in (k, v))
         q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
-        out = _RingAttention.apply(q2, k2, v2, outer, GroupedLayout(self.layout, u), self.causal, *args)
+        transport = TorchTransport(outer, timeout)
+        plan = self._plan(GroupedLayout(self.layout, u), call, transport, q2, v2)
+        out = RingAttention.apply(q2, k2, v2, plan, transport)
         return _value_columns(heads_to_seq(out, inner, u), value_dim)
+
+    def _plan(self, layout, call: _Call, transport, q, v) -> RingPlan:
+        """The batch's plan for this rank, from the plan cache (built on the first layer that asks)."""
+        return plan_for(layout, call.mask, self.causal, transport.world_size, transport.rank, q.size(1),
+                        kernel=call.kernel, scale=call.scale, comm_dtype=call.comm, strict_block=call.strict_block,
+                        device=q.device, dtype=q.dtype, head_dim=max(q.size(-1), v.size(-1)), batch=q.size(0))
 
     def _prepare(self, q, k, v, group) -> _Call:
         """Every check of one call (nothing sent); the shape-dependent results cached."""

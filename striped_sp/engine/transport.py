@@ -1,5 +1,19 @@
-"""The ring: neighbours from an explicit process group, double-buffered KV transfers, and the
-ring timeout.
+"""Transports: how a rank's blocks reach the next rank of the ring.
+
+A :class:`Transport` posts a shift (send to the rank ``hops`` ahead, receive from the one as far
+behind) and returns a transfer whose ``wait()`` gives the received tensors.  Two of them:
+
+* :class:`TorchTransport`: the ring over a process group (``batch_isend_irecv``), neighbours from
+  the group itself, with the ring timeout below;
+* :class:`LocalTransport`: all ``N`` ranks in one process (:class:`LocalRing`): the executor's
+  generators run side by side (:func:`run_local`), a transfer is a hand-over in memory.  It is the
+  simulator (``striped-sp bench sim``), the large-N tests and the dry run of the CUDA path on meta
+  tensors.
+
+The executor (:mod:`striped_sp.engine.autograd`) is written as generators that *yield* each
+transfer they wait for: :func:`drive` runs one to the end on a blocking transport.
+
+The ring timeout:
 
 A peer that stops (stuck, or killed without closing its sockets) would otherwise hold every rank
 for the process group's timeout (gloo: 30 minutes).  Each transfer is waited on with the ring
@@ -20,7 +34,8 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ring", "Transfer", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "ring_timeout", "set_ring_timeout"]
+__all__ = ["Transport", "TorchTransport", "LocalRing", "LocalTransport", "Transfer", "drive", "run_local",
+           "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "ring_timeout", "set_ring_timeout"]
 
 TIMEOUT_ENV = "STRIPED_SP_RING_TIMEOUT_S"
 #: the ring timeout unless set otherwise: well below gloo's 30 minutes, above any sane ring step
@@ -61,12 +76,16 @@ def ring_timeout(timeout: float | datetime.timedelta | None = None) -> datetime.
 class Transfer:
     """Receives in flight from the previous rank; :meth:`wait` returns the received tensors."""
 
-    def __init__(self, requests, sent: list[torch.Tensor], received: list[torch.Tensor], ring: "Ring" = None,
+    def __init__(self, requests, sent: list[torch.Tensor], received: list[torch.Tensor], ring: "TorchTransport" = None,
                  what: str = "a ring step"):
         self._requests = requests
         self._sent = sent  # kept alive until the sends complete
         self._received = received
         self._ring, self._what = ring, what
+
+    def settle(self) -> None:
+        """Complete the transfer whatever happened meanwhile (a failing rank leaves no message half-sent)."""
+        self.wait()
 
     def wait(self) -> list[torch.Tensor]:
         ring = self._ring
@@ -84,7 +103,18 @@ class Transfer:
         return self._received
 
 
-class Ring:
+class Transport:
+    """The interface: ``rank``, ``world_size``, :meth:`shift`."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def shift(self, tensors: list[torch.Tensor], what: str = "a ring step", hops: int = 1,
+              recv_rows: int | None = None):
+        raise NotImplementedError
+
+
+class TorchTransport(Transport):
     """A ring over the ranks of ``group``: sends go to the next rank, receives come from the
     previous one.  Neighbours are *global* ranks, taken from the group itself.  ``None``: a ring
     of this rank alone (it never sends).  ``timeout``: each transfer's wait (CPU tensors; ``None``:
@@ -123,6 +153,7 @@ class Ring:
         ops += [dist.P2POp(dist.irecv, r, frm, self.group) for r in received]
         return Transfer(dist.batch_isend_irecv(ops), sent, received, self, what)
 
+
     def stuck_error(self, what: str, sending: bool, err: BaseException) -> Exception:
         """The error for a transfer that failed or timed out: names this rank, the peer and the step."""
         me = f"rank {dist.get_rank()} (rank {self.rank} of its CP group of {self.world_size})"
@@ -134,3 +165,94 @@ class Ring:
                 f"that peer is stuck or gone (set the ring timeout with ring_attention(timeout=), "
                 f"${TIMEOUT_ENV}, --context-parallel-timeout-s or context_parallel.timeout_s)")
         return RuntimeError(f"ring_attention: {me} failed {peer} in {what}: {text.splitlines()[0] if text else err!r}")
+
+
+def drive(steps):
+    """Run an executor generator on a blocking transport: every transfer it yields is waited for
+    and its tensors sent back in; returns the generator's result."""
+    try:
+        transfer = next(steps)
+        while True:
+            transfer = steps.send(transfer.wait())
+    except StopIteration as done:
+        return done.value
+
+
+class LocalRing:
+    """``world_size`` ranks in one process: per (source, destination) a queue of tensors in flight.
+    ``copy``: a receiver gets copies (as over a wire), else the sender's tensors themselves."""
+
+    def __init__(self, world_size: int, copy: bool = True):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.world_size, self.copy = world_size, copy
+        self.queues: dict = {}
+        self.sent_bytes = 0
+        self.transports = [LocalTransport(self, r) for r in range(world_size)]
+
+    def post(self, src: int, dst: int, tensors: list[torch.Tensor]) -> None:
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        moved = [t.clone() if self.copy else t for t in tensors]
+        self.queues.setdefault((src, dst), []).append(moved)
+
+    def take(self, src: int, dst: int, what: str) -> list[torch.Tensor]:
+        queue = self.queues.get((src, dst))
+        if not queue:
+            raise RuntimeError(f"local ring: rank {dst} waits in {what} for rank {src}, which sent nothing: "
+                               "the ranks' plans disagree")
+        return queue.pop(0)
+
+
+class _LocalTransfer:
+    def __init__(self, ring: LocalRing, src: int, dst: int, what: str, recv_rows: int | None):
+        self.ring, self.src, self.dst, self.what, self.recv_rows = ring, src, dst, what, recv_rows
+
+    def wait(self) -> list[torch.Tensor]:
+        got = self.ring.take(self.src, self.dst, self.what)
+        if self.recv_rows is not None and any(t.size(1) != self.recv_rows for t in got):
+            raise RuntimeError(f"local ring: rank {self.dst} expected {self.recv_rows} rows in {self.what}, "
+                               f"rank {self.src} sent {[t.size(1) for t in got]}")
+        return got
+
+    def settle(self) -> None:
+        pass
+
+
+class LocalTransport(Transport):
+    """Rank ``rank`` of a :class:`LocalRing`."""
+
+    def __init__(self, ring: LocalRing, rank: int):
+        self.ring, self.rank, self.world_size = ring, rank, ring.world_size
+
+    def shift(self, tensors, what="a ring step", hops=1, recv_rows=None):
+        n = self.world_size
+        self.ring.post(self.rank, (self.rank + hops) % n, [t.contiguous() for t in tensors])
+        return _LocalTransfer(self.ring, (self.rank - hops) % n, self.rank, what, recv_rows)
+
+
+def run_local(generators: list, clock=None) -> list:
+    """Run one executor generator per rank of a :class:`LocalRing` side by side: each runs until
+    it waits for a transfer, then every waiting rank gets its tensors, and so on (a round per
+    transfer).  ``clock(rank, round, seconds)``, when given, gets the host time of each rank's part
+    of each round (its compute: a transfer is only handed over).  Returns each rank's result."""
+    import time
+
+    n = len(generators)
+    results, waiting, values = [None] * n, {}, [None] * n
+    live = list(range(n))
+    rnd = 0
+    while live:
+        waiting = {}
+        for r in live:
+            t0 = time.perf_counter()
+            try:
+                waiting[r] = generators[r].send(values[r]) if rnd else next(generators[r])
+            except StopIteration as done:
+                results[r] = done.value
+            if clock is not None:
+                clock(r, rnd, time.perf_counter() - t0)
+        for r, transfer in waiting.items():
+            values[r] = transfer.wait()
+        live = list(waiting)
+        rnd += 1
+    return results

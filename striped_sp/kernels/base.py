@@ -109,12 +109,30 @@ class Kernel:
     def backward_masked(self, dout, q, k, v, out, lse, mask, scale: float):
         raise NotImplementedError(f"backend {self.name!r} has no masked attention call")
 
-    def forward_varlen(self, q, k, v, segments, scale: float, acc_out, acc_lse) -> None:
-        from .varlen import varlen_forward
+    def native_varlen(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+        """Whether varlen calls run on this kernel's own varlen entry point
+        (:meth:`varlen_forward_op` / :meth:`varlen_backward_op`) on ``device`` / ``dtype``; else they
+        run through the schedule of direct and masked calls (:mod:`striped_sp.kernels.varlen`)."""
+        return False
 
-        varlen_forward(self, q, k, v, segments, scale, acc_out, acc_lse)
+    def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, wl: int, wr: int, scale: float):
+        """The kernel's varlen forward: ``q`` ``[T, h, d]``, ``k``/``v`` ``[Tk, kv_heads, d]``, int32
+        ``cu_q`` / ``cu_k``, flash-attn's bottom-right window ``(wl, wr)`` -> ``(out [T, h, d], lse [h, T])``."""
+        raise NotImplementedError(f"backend {self.name!r} has no varlen entry point")
 
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale: float, dq, dk, dv) -> None:
-        from .varlen import varlen_backward
+    def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, wl: int, wr: int,
+                           scale: float):
+        """The kernel's varlen backward -> ``(dq, dk, dv)`` (kv heads not expanded)."""
+        raise NotImplementedError(f"backend {self.name!r} has no varlen entry point")
 
-        varlen_backward(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
+    def forward_varlen(self, q, k, v, program, scale: float, acc_out, acc_lse) -> None:
+        """``program``: a call compiled by :func:`striped_sp.kernels.varlen.compile_call` (or plain
+        :class:`~striped_sp.kernels.segments.Segments`, compiled for this call)."""
+        from .varlen import as_program
+
+        as_program(self, program, q, k).forward(self, q, k, v, scale, acc_out, acc_lse)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, program, scale: float, dq, dk, dv) -> None:
+        from .varlen import as_program
+
+        as_program(self, program, q, k).backward(self, dout, q, k, v, out, lse, scale, dq, dk, dv)

@@ -123,37 +123,26 @@ class FlashAttnKernel(Kernel):
                     "packed documents and windows need flash-attn >= 2.6 (or backend='torch')")
         return None
 
-    def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
-        from .varlen import native_varlen_forward
+    def native_varlen(self, device, dtype, head_dim=None) -> bool:
+        return True
 
-        mod = self._module()
+    def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        res = _call_with_supported_kwargs(
+            self._module()._flash_attn_varlen_forward,
+            q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            dropout_p=0.0, softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl,
+            window_size_right=wr, softcap=0.0, alibi_slopes=None, return_softmax=False,
+        )
+        # 2.6+: (out, lse [h, total_q], S_dmask, rng_state); earlier: lse at index 5
+        return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
 
-        def call(qg, kg, vg, cu_q, cu_k, mq, mk, wl, wr):
-            res = _call_with_supported_kwargs(
-                mod._flash_attn_varlen_forward,
-                q=qg, k=kg, v=vg, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
-                dropout_p=0.0, softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl,
-                window_size_right=wr, softcap=0.0, alibi_slopes=None, return_softmax=False,
-            )
-            # 2.6+: (out, lse [h, total_q], S_dmask, rng_state); earlier: lse at index 5
-            return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
-
-        native_varlen_forward(call, q, k, v, segments, acc_out, acc_lse)
-
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
-        from .varlen import native_varlen_backward
-
-        mod = self._module()
-
-        def call(dog, qg, kg, vg, og, lg, cu_q, cu_k, mq, mk, wl, wr):
-            dq, dk, dv = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
-            _call_with_supported_kwargs(
-                mod._flash_attn_varlen_backward,
-                dout=dog, q=qg, k=kg, v=vg, out=og, softmax_lse=lg, dq=dq, dk=dk, dv=dv,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0,
-                softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl, window_size_right=wr,
-                softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=None,
-            )
-            return dq, dk, dv
-
-        native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
+    def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_with_supported_kwargs(
+            self._module()._flash_attn_varlen_backward,
+            dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
+            softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl, window_size_right=wr,
+            softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=None,
+        )
+        return dq, dk, dv

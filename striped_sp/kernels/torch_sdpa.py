@@ -297,37 +297,22 @@ class TorchKernel(Kernel):
             [True, True, True, False], False, scale=scale)
         return dq.transpose(1, 2), _group_sum(dk.transpose(1, 2), kvh), _group_sum(dv.transpose(1, 2), kvh)
 
-    def _native_varlen(self, q) -> bool:
-        return q.device.type == "cuda" and self.cuda_variant is None and self._cuda_op(q) == "flash"
+    def native_varlen(self, device, dtype, head_dim=None) -> bool:
+        device = torch.device(device)
+        return device.type == "cuda" and self.cuda_variant is None and self._cuda_op_for(device, dtype, head_dim) == "flash"
 
-    def forward_varlen(self, q, k, v, segments, scale, acc_out, acc_lse):
-        if not self._native_varlen(q):
-            return super().forward_varlen(q, k, v, segments, scale, acc_out, acc_lse)
-        from .varlen import native_varlen_forward
+    def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        h = q.size(1)
+        res = torch.ops.aten._flash_attention_forward(
+            q, _expand_kv(k.unsqueeze(0), h)[0], _expand_kv(v.unsqueeze(0), h)[0], cu_q, cu_k, max_q, max_k,
+            0.0, wl < 0 and wr == 0, False, scale=scale, window_size_left=wl, window_size_right=wr)
+        return res[0], res[1]
 
-        h = q.size(2)
-
-        def call(qg, kg, vg, cu_q, cu_k, mq, mk, wl, wr):
-            res = torch.ops.aten._flash_attention_forward(
-                qg, _expand_kv(kg.unsqueeze(0), h)[0], _expand_kv(vg.unsqueeze(0), h)[0], cu_q, cu_k, mq, mk,
-                0.0, wl < 0 and wr == 0, False, scale=scale, window_size_left=wl, window_size_right=wr)
-            return res[0], res[1]
-
-        native_varlen_forward(call, q, k, v, segments, acc_out, acc_lse)
-
-    def backward_varlen(self, dout, q, k, v, out, lse, segments, scale, dq, dk, dv):
-        if not self._native_varlen(q):
-            return super().backward_varlen(dout, q, k, v, out, lse, segments, scale, dq, dk, dv)
-        from .varlen import native_varlen_backward
-
-        h, kvh = q.size(2), k.size(2)
-
-        def call(dog, qg, kg, vg, og, lg, cu_q, cu_k, mq, mk, wl, wr):
-            rng = qg.new_empty(0, dtype=torch.int64)
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(
-                dog, qg, _expand_kv(kg.unsqueeze(0), h)[0], _expand_kv(vg.unsqueeze(0), h)[0], og, lg,
-                cu_q, cu_k, mq, mk, 0.0, wl < 0 and wr == 0, rng, rng, scale=scale,
-                window_size_left=wl, window_size_right=wr)
-            return dq, _group_sum(dk.unsqueeze(0), kvh)[0], _group_sum(dv.unsqueeze(0), kvh)[0]
-
-        native_varlen_backward(call, dout, q, k, v, out, lse, segments, dq, dk, dv)
+    def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        h, kvh = q.size(1), k.size(1)
+        rng = q.new_empty(0, dtype=torch.int64)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, _expand_kv(k.unsqueeze(0), h)[0], _expand_kv(v.unsqueeze(0), h)[0], out, lse,
+            cu_q, cu_k, max_q, max_k, 0.0, wl < 0 and wr == 0, rng, rng, scale=scale,
+            window_size_left=wl, window_size_right=wr)
+        return dq, _group_sum(dk.unsqueeze(0), kvh)[0], _group_sum(dv.unsqueeze(0), kvh)[0]

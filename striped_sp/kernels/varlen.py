@@ -1,27 +1,186 @@
-"""Varlen calls (many band segments at once) straight into the ring's accumulators.
+"""Varlen calls (many band segments at once) straight into the ring's accumulators, from programs
+compiled once per batch.
 
 ``q`` ``[b, Lq, h, d]`` and ``k``/``v`` ``[b, Lk, kv_heads, d]`` are a rank's whole local tensors;
-the segments say which rows take part (:class:`~striped_sp.plan.masks.Segments`).  Forward merges each
-result into float32 accumulators ``acc_out`` ``[b, Lq, h, d]`` / ``acc_lse`` ``[b, h, Lq]`` (rows
-not seen yet hold 0 / -inf); backward adds float32 gradients into ``dq`` / ``dk`` / ``dv``.  No
-input is copied as a whole: direct calls take slices, batched calls gather only their rows.
+the segments say which rows take part (:class:`~striped_sp.kernels.segments.Segments`).  Forward
+merges each result into float32 accumulators ``acc_out`` ``[b, Lq, h, d]`` / ``acc_lse``
+``[b, h, Lq]`` (rows not seen yet hold 0 / -inf); backward adds float32 gradients into ``dq`` /
+``dk`` / ``dv``.  No input is copied as a whole: direct calls take slices, batched calls gather
+only their rows.
 
-* :func:`varlen_forward` / :func:`varlen_backward`: kernels without a varlen entry point, through
-  the pieces of :func:`striped_sp.kernels.schedule.schedule` (a row may be covered by several pieces);
-* :func:`native_varlen_forward` / :func:`native_varlen_backward`: kernels with one (flash-attn,
-  PyTorch's CUDA flash op), called once per window class on the gathered rows.
+A call runs from a *program* compiled once per batch (:func:`compile_call`), which holds every
+index, mask and ``cu_seqlens`` it needs, already on the device (all of a plan's in one copy, by an
+:class:`Arena`).  Running a program does no host work beyond its kernel calls: no index is built,
+nothing is copied to the device, nothing waits for the device.
+
+* :class:`ScheduledCall`: kernels without a varlen entry point, through the pieces of
+  :func:`striped_sp.kernels.schedule.schedule` (a row may be covered by several pieces);
+* :class:`NativeCall`: kernels with one (flash-attn, PyTorch's CUDA flash op), called once per
+  window class on the gathered rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .merge import merge_block_safe as _merge
-from .segments import Segments, _ranges
 from .schedule import TILE, Batch, schedule
+from .segments import Segments, _ranges
 
-__all__ = ["TILE", "schedule", "varlen_forward", "varlen_backward", "native_varlen_forward",
-           "native_varlen_backward"]
+__all__ = ["TILE", "Arena", "ScheduledCall", "NativeCall", "compile_call"]
+
+
+class Arena:
+    """The index tensors of one plan, placed on a device together: :meth:`add` collects CPU
+    tensors, :meth:`place` moves them all with one copy (pinned and non-blocking on CUDA) and
+    fills in each :class:`Slot`; on the CPU they stay where they are."""
+
+    def __init__(self):
+        self.slots: list[Slot] = []
+        self.staging = None  # the pinned buffer, alive until the copy has run
+        self.copies = 0
+
+    def add(self, t: torch.Tensor | None) -> "Slot | None":
+        if t is None:
+            return None
+        slot = Slot(t.contiguous())
+        self.slots.append(slot)
+        return slot
+
+    def place(self, device: torch.device) -> None:
+        device = torch.device(device)
+        if device.type == "cpu" or not self.slots:
+            return
+        offsets, total = [], 0
+        for slot in self.slots:
+            offsets.append(total)
+            total += -(-slot.t.numel() * slot.t.element_size() // 8) * 8  # 8-byte aligned views
+        buf = torch.empty(total, dtype=torch.uint8)
+        for slot, off in zip(self.slots, offsets):
+            nbytes = slot.t.numel() * slot.t.element_size()
+            buf[off:off + nbytes] = slot.t.reshape(-1).view(torch.uint8)
+        if device.type == "cuda":
+            buf = buf.pin_memory()
+            self.staging = buf
+        placed = buf.to(device, non_blocking=True)
+        self.copies += 1
+        for slot, off in zip(self.slots, offsets):
+            t = slot.t
+            slot.t = placed[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
+@dataclasses.dataclass
+class Slot:
+    """One tensor of an :class:`Arena`: a CPU tensor until placed, then its device view."""
+
+    t: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A :class:`~striped_sp.kernels.schedule.Batch` compiled for a batch size: every index and
+    mask it needs, as slots."""
+
+    packs: int
+    cq: int
+    ck: int
+    strided: tuple | None
+    mask: Slot | None          # bool [b * packs or 1, 1, cq, ck] (None: dense)
+    q_index: Slot | None        # [packs * cq] local rows gathered (None when strided)
+    k_index: Slot | None
+    q_real: Slot | None         # slots of real rows (None: all)
+    k_real: Slot | None
+    q_rows: Slot | None         # the real slots' local rows (the merge / dq scatter)
+    k_rows: Slot | None
+    q_pad: Slot | None          # the padding slots (backward zeroes them)
+
+
+def _v(slot: Slot | None):
+    return None if slot is None else slot.t
+
+
+def _compile_batch(p: Batch, b: int, arena: Arena) -> _Batch:
+    mask = p.mask
+    if mask is not None and b > 1 and mask.size(0) > 1:
+        mask = mask.unsqueeze(0).expand(b, *mask.shape).reshape(b * p.packs, 1, p.cq, p.ck)
+    strided = p.strided if b == 1 else None
+    if strided is not None:
+        return _Batch(p.packs, p.cq, p.ck, strided, arena.add(mask), *([None] * 7))
+    q_rows = p.q_index if p.q_real is None else p.q_index[p.q_real]
+    k_rows = p.k_index if p.k_real is None else p.k_index[p.k_real]
+    q_pad = None
+    if p.q_real is not None:
+        keep = torch.ones(p.packs * p.cq, dtype=torch.bool)
+        keep[p.q_real] = False
+        q_pad = keep.nonzero().flatten()
+    return _Batch(p.packs, p.cq, p.ck, None, arena.add(mask), arena.add(p.q_index), arena.add(p.k_index),
+                  arena.add(p.q_real), arena.add(p.k_real), arena.add(q_rows), arena.add(k_rows), arena.add(q_pad))
+
+
+class ScheduledCall:
+    """A varlen call for kernels without a varlen entry point: direct calls on slices and batched
+    masked calls (:func:`~striped_sp.kernels.schedule.schedule`), compiled for batch size ``b``."""
+
+    def __init__(self, segs: Segments, b: int, arena: Arena):
+        plan = schedule(segs)
+        self.direct = plan.direct
+        self.batches = [_compile_batch(p, b, arena) for p in plan.batches]
+
+    def launches(self) -> int:
+        """Kernel calls per forward (the same per backward)."""
+        return len(self.direct) + len(self.batches)
+
+    def forward(self, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
+        b, _, h, _ = q.shape
+        for p in self.direct:
+            o, l = kernel.forward(q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1], p.causal, scale)
+            _merge(acc_out[:, p.q0:p.q1], acc_lse[:, :, p.q0:p.q1], o, l)
+        for p in self.batches:
+            mask = _v(p.mask)
+            if p.strided is not None:
+                _strided_forward(kernel, p, q, k, v, mask, scale, acc_out, acc_lse)
+                continue
+            qi, ki = p.q_index.t, p.k_index.t
+            qb, kb, vb = _gather(q, qi, p.packs, p.cq), _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck)
+            o, l = _attend(kernel, qb, kb, vb, mask, scale)
+            o = _flat(o, b, p.packs, p.cq)
+            l = l.view(b, p.packs, h, p.cq).transpose(1, 2).reshape(b, h, p.packs * p.cq)
+            real = _v(p.q_real)
+            _merge_rows(acc_out, acc_lse, p.q_rows.t, _real(o, real), _real(l, real, 2))
+
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
+        b, _, h, d = q.shape
+        for p in self.direct:
+            g = kernel.backward(dout[:, p.q0:p.q1], q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1],
+                                out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], p.causal, scale)
+            dq[:, p.q0:p.q1] += g[0]
+            dk[:, p.k0:p.k1] += g[1]
+            dv[:, p.k0:p.k1] += g[2]
+        for p in self.batches:
+            mask = _v(p.mask)
+            if p.strided is not None:
+                _strided_backward(kernel, p, dout, q, k, v, out, lse, mask, scale, dq, dk, dv)
+                continue
+            qi, ki = p.q_index.t, p.k_index.t
+            do_b, q_b = _gather(dout, qi, p.packs, p.cq), _gather(q, qi, p.packs, p.cq)
+            lse_b = lse.index_select(2, qi)
+            if p.q_pad is not None:
+                # padding rows: query 0 (every score 0, so exp(score - lse) = 1 with lse 0) and output
+                # gradient 0: they add nothing to any gradient, however large the real scores are
+                pad = p.q_pad.t
+                do_b.view(b, p.packs * p.cq, h, -1).index_fill_(1, pad, 0)  # v's head dim (MLA)
+                q_b.view(b, p.packs * p.cq, h, d).index_fill_(1, pad, 0)
+                lse_b.index_fill_(2, pad, 0)
+            lse_b = lse_b.view(b, h, p.packs, p.cq).transpose(1, 2).reshape(b * p.packs, h, p.cq)
+            args = (do_b, q_b, _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck),
+                    _gather(out, qi, p.packs, p.cq), lse_b.contiguous())
+            g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
+            q_real, k_real = _v(p.q_real), _v(p.k_real)
+            dq.index_add_(1, p.q_rows.t, _real(_flat(g[0], b, p.packs, p.cq), q_real).to(dq.dtype))
+            dk.index_add_(1, p.k_rows.t, _real(_flat(g[1], b, p.packs, p.ck), k_real).to(dk.dtype))
+            dv.index_add_(1, p.k_rows.t, _real(_flat(g[2], b, p.packs, p.ck), k_real).to(dv.dtype))
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor, packs: int, width: int) -> torch.Tensor:
@@ -31,14 +190,6 @@ def _gather(x: torch.Tensor, index: torch.Tensor, packs: int, width: int) -> tor
 
 def _flat(x: torch.Tensor, b: int, packs: int, width: int) -> torch.Tensor:
     return x.reshape(b, packs * width, *x.shape[2:])
-
-
-def _batched_mask(p: Batch, b: int, device):
-    if p.mask is None:
-        return None
-    if b == 1 or p.mask.size(0) == 1:
-        return p.mask.to(device)
-    return p.mask.unsqueeze(0).expand(b, *p.mask.shape).reshape(b * p.packs, 1, p.cq, p.ck).to(device)
 
 
 def _merge_rows(acc_out, acc_lse, rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -66,7 +217,7 @@ def _add_windows(acc: torch.Tensor, value: torch.Tensor, first: int, step: int, 
         _windows(acc, first + ph * step, phases * step, part.size(0), width).add_(part)
 
 
-def _strided_forward(kernel, p: Batch, q, k, v, mask, scale, acc_out, acc_lse) -> None:
+def _strided_forward(kernel, p: _Batch, q, k, v, mask, scale, acc_out, acc_lse) -> None:
     qf, kf, step = p.strided
     o, l = _attend(kernel, _windows(q, qf, p.cq, p.packs, p.cq), _windows(k, kf, step, p.packs, p.ck),
                    _windows(v, kf, step, p.packs, p.ck), mask, scale)
@@ -76,7 +227,7 @@ def _strided_forward(kernel, p: Batch, q, k, v, mask, scale, acc_out, acc_lse) -
            l.transpose(0, 1).reshape(1, h, p.packs * p.cq))
 
 
-def _strided_backward(kernel, p: Batch, dout, q, k, v, out, lse, mask, scale, dq, dk, dv) -> None:
+def _strided_backward(kernel, p: _Batch, dout, q, k, v, out, lse, mask, scale, dq, dk, dv) -> None:
     qf, kf, step = p.strided
     r1 = qf + p.packs * p.cq
     h = q.size(2)
@@ -98,125 +249,105 @@ def _real(x: torch.Tensor, real: torch.Tensor | None, dim: int = 1) -> torch.Ten
     return x if real is None else x.index_select(dim, real)
 
 
-def varlen_forward(kernel, q, k, v, segs: Segments, scale: float, acc_out, acc_lse) -> None:
-    """Merge the varlen call ``segs`` into ``acc_out`` / ``acc_lse`` (kernels without varlen)."""
-    plan = schedule(segs)
-    b, _, h, d = q.shape
-    for p in plan.direct:
-        o, l = kernel.forward(q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1], p.causal, scale)
-        _merge(acc_out[:, p.q0:p.q1], acc_lse[:, :, p.q0:p.q1], o, l)
-    for p in plan.batches:
-        mask = _batched_mask(p, b, q.device)
-        if p.strided is not None and b == 1:
-            _strided_forward(kernel, p, q, k, v, mask, scale, acc_out, acc_lse)
-            continue
-        qi, ki = p.q_index.to(q.device), p.k_index.to(q.device)
-        qb, kb, vb = _gather(q, qi, p.packs, p.cq), _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck)
-        o, l = _attend(kernel, qb, kb, vb, mask, scale)
-        o = _flat(o, b, p.packs, p.cq)
-        l = l.view(b, p.packs, h, p.cq).transpose(1, 2).reshape(b, h, p.packs * p.cq)
-        real = None if p.q_real is None else p.q_real.to(q.device)
-        _merge_rows(acc_out, acc_lse, _real(qi, real, 0), _real(o, real), _real(l, real, 2))
-
-
-def varlen_backward(kernel, dout, q, k, v, out, lse, segs: Segments, scale: float, dq, dk, dv) -> None:
-    """Add the gradients of the varlen call ``segs`` (given the *final* ``out`` / ``lse`` of its
-    rows) into float32 ``dq`` / ``dk`` / ``dv`` (kernels without varlen)."""
-    plan = schedule(segs)
-    b, _, h, d = q.shape
-    for p in plan.direct:
-        g = kernel.backward(dout[:, p.q0:p.q1], q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1],
-                            out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], p.causal, scale)
-        dq[:, p.q0:p.q1] += g[0]
-        dk[:, p.k0:p.k1] += g[1]
-        dv[:, p.k0:p.k1] += g[2]
-    for p in plan.batches:
-        if p.strided is not None and b == 1:
-            _strided_backward(kernel, p, dout, q, k, v, out, lse, _batched_mask(p, b, q.device), scale, dq, dk, dv)
-            continue
-        qi, ki = p.q_index.to(q.device), p.k_index.to(q.device)
-        do_b, q_b = _gather(dout, qi, p.packs, p.cq), _gather(q, qi, p.packs, p.cq)
-        lse_b = lse.index_select(2, qi)
-        if p.q_real is not None:
-            # padding rows: query 0 (every score 0, so exp(score - lse) = 1 with lse 0) and output
-            # gradient 0: they add nothing to any gradient, however large the real scores are
-            pad = torch.ones(p.packs * p.cq, dtype=torch.bool, device=q.device)
-            pad[p.q_real.to(q.device)] = False
-            do_b.view(b, p.packs * p.cq, h, -1)[:, pad] = 0  # v's head dim (MLA)
-            q_b.view(b, p.packs * p.cq, h, d)[:, pad] = 0
-            lse_b[:, :, pad] = 0
-        lse_b = lse_b.view(b, h, p.packs, p.cq).transpose(1, 2).reshape(b * p.packs, h, p.cq)
-        args = (do_b, q_b, _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck),
-                _gather(out, qi, p.packs, p.cq), lse_b.contiguous())
-        mask = _batched_mask(p, b, q.device)
-        g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
-        q_real = None if p.q_real is None else p.q_real.to(q.device)
-        k_real = None if p.k_real is None else p.k_real.to(q.device)
-        dq.index_add_(1, _real(qi, q_real, 0), _real(_flat(g[0], b, p.packs, p.cq), q_real).to(dq.dtype))
-        dk.index_add_(1, _real(ki, k_real, 0), _real(_flat(g[1], b, p.packs, p.ck), k_real).to(dk.dtype))
-        dv.index_add_(1, _real(ki, k_real, 0), _real(_flat(g[2], b, p.packs, p.ck), k_real).to(dv.dtype))
-
-
 # -- kernels with a native varlen entry point (flash-attn, PyTorch's CUDA flash op) ------------
 
-def _window_groups(segs: Segments):
-    """Segment ids grouped by their window ``(wl, wr)``: one native varlen call per group."""
-    keys = segs.wl * (1 << 32) + (segs.wr + 1)
-    for key in torch.unique(keys).tolist():
-        ids = (keys == key).nonzero().flatten()
-        yield int(segs.wl[ids[0]]), int(segs.wr[ids[0]]), ids
+@dataclasses.dataclass
+class _Group:
+    """One native varlen call: the segments of one window ``(wl, wr)``, their rows in the
+    ``[b * L]`` flattening (every batch row in turn), int32 cu_seqlens and longest segments."""
+
+    wl: int
+    wr: int
+    q_rows: Slot
+    cu_q: Slot
+    max_q: int
+    k_rows: Slot
+    cu_k: Slot
+    max_k: int
+    total_q: int
 
 
-def _group_rows(starts: torch.Tensor, lens: torch.Tensor, length: int, batch: int, device):
-    """Rows (in the ``[b * L]`` flattening) of the segments, every batch row in turn, their
-    cu_seqlens (int32) and the longest segment."""
+def _group_rows(starts: torch.Tensor, lens: torch.Tensor, length: int, batch: int):
     rows = _ranges(starts, lens)
     rows = torch.cat([rows + i * length for i in range(batch)])
     lens_b = lens.repeat(batch)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens_b, 0)])
-    return rows.to(device), cu.to(device=device, dtype=torch.int32), int(lens.max())
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens_b, 0)]).to(torch.int32)
+    return rows, cu, int(lens.max())
 
 
-def _groups(segs: Segments, nq: int, nk: int, b: int, device):
-    for wl, wr, ids in _window_groups(segs):
-        qr, cu_q, mq = _group_rows(segs.q_start[ids], segs.lq[ids], nq, b, device)
-        kr, cu_k, mk = _group_rows(segs.k_start[ids], segs.lk[ids], nk, b, device)
-        # flash-attn turns an unbounded side of a one-sided window into max_seqlen_k; with
-        # bottom-right alignment that is exact only when max_seqlen_k >= every segment's lq
-        yield wl, wr, qr, cu_q, mq, kr, cu_k, max(mq, mk)
+class NativeCall:
+    """A varlen call for kernels with a varlen entry point, compiled for batch size ``b`` and
+    local lengths ``nq`` / ``nk``: one call per window class."""
+
+    def __init__(self, segs: Segments, b: int, nq: int, nk: int, arena: Arena):
+        self.groups = []
+        keys = segs.wl * (1 << 32) + (segs.wr + 1)
+        for key in torch.unique(keys).tolist():
+            ids = (keys == key).nonzero().flatten()
+            qr, cu_q, mq = _group_rows(segs.q_start[ids], segs.lq[ids], nq, b)
+            kr, cu_k, mk = _group_rows(segs.k_start[ids], segs.lk[ids], nk, b)
+            # flash-attn turns an unbounded side of a one-sided window into max_seqlen_k; with
+            # bottom-right alignment that is exact only when max_seqlen_k >= every segment's lq
+            self.groups.append(_Group(int(segs.wl[ids[0]]), int(segs.wr[ids[0]]), arena.add(qr), arena.add(cu_q), mq,
+                                      arena.add(kr), arena.add(cu_k), max(mq, mk), qr.numel()))
+
+    def launches(self) -> int:
+        return len(self.groups)
+
+    def forward(self, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
+        """``kernel.varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale) -> (out [T, h, d],
+        lse [h, T])`` once per window group on the gathered rows, merged into the accumulators."""
+        b, nq, h, d = q.shape
+        nk = k.size(1)
+        qf, kf, vf = q.reshape(b * nq, h, d), k.reshape(b * nk, *k.shape[2:]), v.reshape(b * nk, *v.shape[2:])
+        acc_f = acc_out.view(b * nq, h, acc_out.size(-1)).unsqueeze(0)
+        lse_f = acc_lse.transpose(0, 1).reshape(1, h, b * nq)
+        for g in self.groups:
+            qr, kr = g.q_rows.t, g.k_rows.t
+            o, l = kernel.varlen_forward_op(qf.index_select(0, qr), kf.index_select(0, kr), vf.index_select(0, kr),
+                                            g.cu_q.t, g.cu_k.t, g.max_q, g.max_k, g.wl, g.wr, scale)
+            _merge_rows(acc_f, lse_f, qr, o.unsqueeze(0), l[:, : g.total_q].to(lse_f.dtype).unsqueeze(0))
+        if b != 1 or not acc_lse.is_contiguous():  # else lse_f is a view of acc_lse
+            acc_lse.copy_(lse_f.view(h, b, nq).transpose(0, 1))
+
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
+        """``kernel.varlen_backward_op(dout, q, k, v, out, lse [h, T], cu_q, cu_k, max_q, max_k, wl, wr, scale)
+        -> (dq, dk, dv)`` per window group, added into the float32 gradients."""
+        b, nq, h, d = q.shape
+        nk = k.size(1)
+
+        def flat(x, n):
+            return x.reshape(b * n, *x.shape[2:])
+
+        qf, kf, vf, dof, of = flat(q, nq), flat(k, nk), flat(v, nk), flat(dout, nq), flat(out, nq)
+        lf = lse.transpose(0, 1).reshape(h, b * nq)
+        dqf, dkf, dvf = dq.view(b * nq, h, d), dk.view(b * nk, *k.shape[2:]), dv.view(b * nk, *v.shape[2:])
+        for g in self.groups:
+            qr, kr = g.q_rows.t, g.k_rows.t
+            grads = kernel.varlen_backward_op(dof.index_select(0, qr), qf.index_select(0, qr), kf.index_select(0, kr),
+                                              vf.index_select(0, kr), of.index_select(0, qr),
+                                              lf.index_select(1, qr).contiguous(), g.cu_q.t, g.cu_k.t, g.max_q,
+                                              g.max_k, g.wl, g.wr, scale)
+            dqf.index_add_(0, qr, grads[0].to(dqf.dtype))
+            dkf.index_add_(0, kr, grads[1].to(dkf.dtype))
+            dvf.index_add_(0, kr, grads[2].to(dvf.dtype))
 
 
-def native_varlen_forward(call, q, k, v, segs: Segments, acc_out, acc_lse) -> None:
-    """``call(q, k, v, cu_q, cu_k, max_q, max_k, wl, wr) -> (out [T, h, d], lse [h, T])`` once per
-    window group on the gathered rows, merged into the accumulators."""
-    b, nq, h, d = q.shape
-    nk = k.size(1)
-    qf, kf, vf = q.reshape(b * nq, h, d), k.reshape(b * nk, *k.shape[2:]), v.reshape(b * nk, *v.shape[2:])
-    acc_f = acc_out.view(b * nq, h, d).unsqueeze(0)
-    lse_f = acc_lse.transpose(0, 1).reshape(1, h, b * nq)
-    for wl, wr, qr, cu_q, mq, kr, cu_k, mk in _groups(segs, nq, nk, b, q.device):
-        o, l = call(qf.index_select(0, qr), kf.index_select(0, kr), vf.index_select(0, kr), cu_q, cu_k, mq, mk, wl, wr)
-        _merge_rows(acc_f, lse_f, qr, o.unsqueeze(0), l[:, : qr.numel()].to(lse_f.dtype).unsqueeze(0))
-    res = lse_f.view(h, b, nq).transpose(0, 1)
-    if not (b == 1 and res.data_ptr() == acc_lse.data_ptr()):  # b == 1: lse_f is a view of acc_lse
-        acc_lse.copy_(res)
+def compile_call(kernel, segs: Segments, b: int, nq: int, nk: int, device, dtype, head_dim: int | None,
+                 arena: Arena) -> "ScheduledCall | NativeCall":
+    """The program of one varlen call for ``kernel`` on ``device`` / ``dtype`` (its slots in
+    ``arena``, placed by the caller)."""
+    if kernel.native_varlen(torch.device(device), dtype, head_dim):
+        return NativeCall(segs, b, nq, nk, arena)
+    return ScheduledCall(segs, b, arena)
 
 
-def native_varlen_backward(call, dout, q, k, v, out, lse, segs: Segments, dq, dk, dv) -> None:
-    """``call(dout, q, k, v, out, lse [h, T], cu_q, cu_k, max_q, max_k, wl, wr) -> (dq, dk, dv)`` per
-    window group, added into the float32 gradients."""
-    b, nq, h, d = q.shape
-    nk = k.size(1)
-
-    def flat(x, n):
-        return x.reshape(b * n, *x.shape[2:])
-
-    qf, kf, vf, dof, of = flat(q, nq), flat(k, nk), flat(v, nk), flat(dout, nq), flat(out, nq)
-    lf = lse.transpose(0, 1).reshape(h, b * nq)
-    dqf, dkf, dvf = dq.view(b * nq, h, d), dk.view(b * nk, *k.shape[2:]), dv.view(b * nk, *v.shape[2:])
-    for wl, wr, qr, cu_q, mq, kr, cu_k, mk in _groups(segs, nq, nk, b, q.device):
-        g = call(dof.index_select(0, qr), qf.index_select(0, qr), kf.index_select(0, kr), vf.index_select(0, kr),
-                 of.index_select(0, qr), lf.index_select(1, qr).contiguous(), cu_q, cu_k, mq, mk, wl, wr)
-        dqf.index_add_(0, qr, g[0].to(dqf.dtype))
-        dkf.index_add_(0, kr, g[1].to(dkf.dtype))
-        dvf.index_add_(0, kr, g[2].to(dvf.dtype))
+def as_program(kernel, call, q: torch.Tensor, k: torch.Tensor):
+    """``call`` as a program: a compiled one as it is; :class:`Segments` compiled (and placed) for
+    this one call: the path of one-off calls and tests, not of the ring, which compiles once per batch."""
+    if not isinstance(call, Segments):
+        return call
+    arena = Arena()
+    program = compile_call(kernel, call, q.size(0), q.size(1), k.size(1), q.device, q.dtype, q.size(-1), arena)
+    arena.place(q.device)
+    return program

@@ -1,0 +1,84 @@
+"""RingPlan: one rank's compiled plan for one batch, built once and run by every layer and pass.
+
+A plan holds everything the executor (:mod:`striped_sp.engine.autograd`) needs, so that running it
+does no planning, no host<->device copy and no synchronisation:
+
+* ``steps``: how many ring steps carry visible keys (a window cuts the ring short);
+* ``calls[t]``: the kernel calls of step ``t`` (the block of source rank ``(rank - t) % N``), of one
+  call type per plan: :class:`~striped_sp.plan.layouts.BlockCall` slices for the dense ring,
+  :class:`~striped_sp.plan.masks.SegmentCall` band segments under documents or windows;
+* ``programs[t]``: for masked plans, each call compiled for the kernel, the batch size and the
+  device (:func:`striped_sp.kernels.varlen.compile_call`): the schedule's gather/scatter indices and
+  masks, or the native varlen calls' int32 cu_seqlens and row indices by window; all placed on the
+  device with one copy (:class:`~striped_sp.kernels.varlen.Arena`);
+* ``shared``: per rank, the leading rows the ring carries (``None``: all of them);
+* ``fmt``: the tensor format of the forward (the kernel's own for dense plans, ``"bshd"`` masked);
+  ``aligned``: the striped strict block in its aligned form;
+* ``entries[t]``: visible score entries of step ``t`` per batch row and head (the predicted work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..kernels.varlen import Arena, compile_call
+from .masks import MaskSpec, ring_plans, shared_rows
+
+__all__ = ["RingPlan", "build_ring_plan"]
+
+
+@dataclasses.dataclass
+class RingPlan:
+    world_size: int
+    rank: int
+    local_len: int
+    steps: int
+    calls: tuple
+    shared: tuple | None
+    fmt: str
+    aligned: bool
+    entries: tuple
+    kernel: object
+    scale: float
+    comm_dtype: torch.dtype
+    masked: bool
+    programs: tuple | None = None
+    arena: Arena | None = None
+
+    def launches(self, step: int) -> int:
+        """Kernel calls of ``step`` per forward (the same per backward)."""
+        if not self.masked:
+            return len(self.calls[step])
+        return sum(p.launches() for p in self.programs[step])
+
+
+def build_ring_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *,
+                    kernel, scale: float, comm_dtype: torch.dtype = torch.float32, strict_block: str = "sliced",
+                    device="cpu", dtype=torch.float32, head_dim: int | None = None, batch: int = 1) -> RingPlan:
+    """The plan of ``rank`` of ``world_size`` for one batch: ``mask`` ``None`` for the dense ring
+    (plain causal or full attention on a layout with dense plans), else the checked mask of the
+    global row.  Masked plans are compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim``
+    and ``batch`` rows, and placed on the device once."""
+    n = local_len
+    if mask is None:
+        calls = tuple(tuple(layout.plan(rank, (rank - t) % world_size, world_size, n, causal))
+                      for t in range(world_size))
+        entries = tuple(sum(c.score_entries(n) for c in step) for step in calls)
+        return RingPlan(world_size, rank, n, world_size, calls, None, kernel.tensor_format,
+                        strict_block == "aligned", entries, kernel, scale, comm_dtype, masked=False)
+    steps = layout.ring_steps(world_size, n, mask)
+    calls = tuple(tuple(step) for step in ring_plans(layout, mask, world_size, rank)[:steps])
+    shared = None
+    if steps > 1:
+        rows = tuple(shared_rows(layout, mask, world_size, r) for r in range(world_size))
+        shared = None if all(s == n for s in rows) else rows
+    arena = Arena()
+    device = torch.device(device)
+    programs = tuple(tuple(compile_call(kernel, c.segments, batch, n, n, device, dtype, head_dim, arena) for c in step)
+                     for step in calls)
+    arena.place(device)
+    entries = tuple(sum(c.entries for c in step) for step in calls)
+    return RingPlan(world_size, rank, n, steps, calls, shared, "bshd", False, entries, kernel, scale, comm_dtype,
+                    masked=True, programs=programs, arena=arena)
