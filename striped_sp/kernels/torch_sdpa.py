@@ -298,8 +298,8 @@ class TorchKernel(Kernel):
         return dq.transpose(1, 2), _group_sum(dk.transpose(1, 2), kvh), _group_sum(dv.transpose(1, 2), kvh)
 
     def native_varlen(self, device, dtype, head_dim=None) -> bool:
-        device = torch.device(device)
-        return device.type == "cuda" and self.cuda_variant is None and self._cuda_op_for(device, dtype, head_dim) == "flash"
+        device = torch.device(device)  # not the CPU: CUDA (or meta tensors dry-running the CUDA branch)
+        return device.type != "cpu" and self.cuda_variant is None and self._cuda_op_for(device, dtype, head_dim) == "flash"
 
     def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale):
         h = q.size(1)
