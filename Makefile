@@ -19,7 +19,7 @@ else
 MPYTHON := $(PY312)
 endif
 
-.PHONY: demo test test-megatron venv clean
+.PHONY: demo test test-megatron results venv clean
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -39,6 +39,10 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# `make results`: docs/results.md's tables and the plots in docs/ (python -m striped_sp.bench.results --help)
+results: venv
+	$(PY) -m striped_sp.bench.results
 
 $(MVENV)/.installed: setup.cfg pyproject.toml
 	@test -n "$(MPYTHON)" || { echo "megatron-core $(MCORE) needs Python 3.12: set PY312=/path/to/python3.12"; exit 1; }
