@@ -1,0 +1,521 @@
+"""``striped-sp bench train``: end-to-end training throughput of each layout, the paper's metric.
+
+Striped Attention (arXiv 2311.09431) reports the training step of a whole model against Ring
+Attention (our ``contiguous``).  This mode trains real models on spawned ranks (gloo on CPU, NCCL on
+CUDA, chosen automatically) and times whole steps: forward, backward, the gradient reduction, the
+optimizer step:
+
+* ``megatron``: a megatron-core ``GPTModel`` (GQA, RoPE) built by the plugin's route
+  (:func:`striped_sp.megatron.install` + :func:`~striped_sp.megatron.patch_layer_spec`,
+  :mod:`.train_megatron`); peer ``native`` (Megatron's own CP, Transformer Engine) where TE exists;
+* ``hf``: a Hugging Face Llama (Mistral with a sliding window for the window row) through
+  :func:`striped_sp.deepspeed.initialize` (:mod:`.train_hf`); peer ``ulysses`` (DeepSpeed's ALST).
+
+Rows (:mod:`.train_data`): dense rows at each ``--seq-lens`` length, packed web-mix rows
+(``--packed-lens``, ``--docs``), a window model (``--window-lens``, ``--window``).  Columns: the
+``--layouts`` (``striped:auto`` is the striped layout's ``auto`` configuration for the row and model,
+:func:`striped_sp.megatron.algo_of` of ``--striped-stripe-size auto``) and the ``--peers``.
+
+Every column of a row gets its own model from the same seed and its own optimizer, and the same
+batches: ``--warmup`` untimed steps (the first one measures the peak memory), then ``--rounds``
+interleaved rounds (each round steps every column once, the starting column rotating, so load from
+other processes hits all alike).  A step's time is the slowest rank's; the record is the median.
+Every column trains on the same data from the same weights, so the losses of a round must agree
+(``loss_rel_diff``: the largest relative difference to the first column over the rounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch
+
+from .common import median, pick_dtype, progress, sync
+
+__all__ = ["TrainConfig", "PRESETS", "train", "paper_table", "register"]
+
+#: model and row defaults for each --preset (``cpu``: the CPU measurement, 2 gloo ranks, fp32;
+#: ``paper``: the paper's lengths with a ~1B model, for N GPUs)
+PRESETS = {
+    "cpu": dict(layers=2, hidden=256, ffn_hidden=1024, heads=4, kv_heads=2, head_dim=64, vocab=2048,
+                seq_lens=(4096, 8192, 16384), packed_lens=(16384,), window_lens=(16384,), window=1024,
+                rounds=4),
+    "paper": dict(layers=16, hidden=2048, ffn_hidden=5632, heads=16, kv_heads=4, head_dim=128, vocab=32000,
+                  seq_lens=(16384, 32768, 65536, 131072), packed_lens=(65536,), window_lens=(65536,),
+                  window=4096, rounds=5),
+}
+PEERS = {"megatron": ("native",), "hf": ("ulysses",)}
+AUTO = "striped:auto"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    models: tuple = ("megatron", "hf")
+    kinds: tuple = ("dense", "packed", "window")
+    world_size: int = 2
+    seq_lens: tuple = (4096, 8192, 16384)
+    packed_lens: tuple = (16384,)
+    window_lens: tuple = (16384,)
+    docs: str = "lognormal:median=1024,sigma=1.2"
+    window: int = 1024  # the window row: a query sees this many keys before it
+    layouts: tuple = ("striped", AUTO, "zigzag", "contiguous")
+    peers: tuple = ("native", "ulysses")
+    layers: int = 2
+    hidden: int = 256
+    ffn_hidden: int = 1024
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    vocab: int = 2048
+    batch: int = 1  # dense rows per step (packed rows: 1)
+    dtype: str = "auto"
+    device: str = "auto"
+    warmup: int = 1
+    rounds: int = 4
+    seed: int = 1234
+    threads: int | None = None  # CPU threads per rank; default cores // N
+    pin: bool = True
+    profile: bool = False  # one more step per column under torch.profiler (ms by kind of op)
+    progress: bool = True
+    timeout_s: float = 1800.0
+
+    def rows(self):
+        """``(model, kind, seq_len)`` of every row, in the order they run."""
+        lens = {"dense": self.seq_lens, "packed": self.packed_lens, "window": self.window_lens}
+        return [(m, k, s) for m in self.models for k in self.kinds for s in lens[k]]
+
+    def columns(self, model: str) -> list[str]:
+        return list(self.layouts) + [p for p in self.peers if p in PEERS[model]]
+
+
+# ---------------------------------------------------------------------------------------------
+# worker
+# ---------------------------------------------------------------------------------------------
+
+def _paths(model: str):
+    if model == "megatron":
+        from . import train_megatron as mod
+    else:
+        from . import train_hf as mod
+    return mod
+
+
+def _resolve(cfg: TrainConfig, row, name: str) -> str | None:
+    """The layout key of column ``name`` on ``row`` (``None``: a peer)."""
+    import striped_sp
+
+    if name == AUTO:
+        from .train_megatron import resolve_auto
+
+        return resolve_auto(cfg, row)
+    if name in PEERS[row.model]:
+        return None
+    return striped_sp.get_layout(name).key
+
+
+def _worker(rank, cfg: TrainConfig, device_type, init_file, results):
+    try:
+        _worker_body(rank, cfg, device_type, init_file, results)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _init(rank: int, cfg: TrainConfig, device_type: str, init_file: str):
+    import torch.distributed as dist
+
+    n = cfg.world_size
+    port = os.environ.get("STRIPED_SP_TRAIN_PORT", "29533")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # DeepSpeed reads these
+    if device_type == "cpu":
+        threads = cfg.threads or max(1, (os.cpu_count() or 1) // n)
+        torch.set_num_threads(threads)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if cfg.pin and len(cores) >= n * threads:
+            os.sched_setaffinity(0, cores[rank * threads:(rank + 1) * threads])
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                            **({"device_id": device} if device_type == "cuda" else {}))
+    return device
+
+
+def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
+    import warnings
+
+    import torch.distributed as dist
+
+    from .memory import MemoryPeak
+    from .train_data import RunnerSkip, make_row
+
+    warnings.filterwarnings("ignore")
+    device = _init(rank, cfg, device_type, init_file)
+    dtype = pick_dtype(cfg.dtype, device)
+    group = dist.group.WORLD
+    ready = set()
+    records, notes, profile = [], {}, []
+    rows = cfg.rows()
+    bar = progress(rows, total=len(rows), desc=f"train N={cfg.world_size}", enabled=cfg.progress and rank == 0)
+    for model, kind, seq in bar:
+        mod = _paths(model)
+        if model not in ready:
+            mod.setup(cfg, device)
+            ready.add(model)
+        row = make_row(model, kind, seq, cfg.warmup + cfg.rounds, cfg.batch, cfg.vocab, cfg.seed,
+                       cfg.window, cfg.docs)
+        key = (model, row.label, seq)
+        runners, alias, layouts = {}, {}, {}
+        for name in cfg.columns(model):
+            layout = layouts[name] = _resolve(cfg, row, name)
+            same = next((n for n, r in runners.items() if layout is not None and r.layout == layout), None)
+            if same is not None:  # e.g. striped:auto that resolves to plain striped: one model
+                alias[name] = same
+                notes[(*key, name)] = f"= {same} ({layout})"
+                continue
+            try:
+                runners[name] = mod.build_runner(cfg, row, name, layout, group, device, dtype)
+            except RunnerSkip as e:
+                notes[(*key, name)] = f"skipped: {e}"
+        samples = {n: [] for n in runners}
+        losses = {n: [] for n in runners}
+        peaks = {}
+        order = list(runners)
+        for i in range(cfg.warmup + cfg.rounds):
+            shift = i % len(order) if order else 0
+            for name in order[shift:] + order[:shift]:
+                r = runners[name]
+                r.activate()
+                measure = i == 0
+                tracker = MemoryPeak(device) if measure else None
+                dist.barrier()
+                sync(device)
+                t0 = time.perf_counter()
+                if tracker is not None:
+                    with tracker:
+                        loss = r.step(i)
+                        sync(device)
+                else:
+                    loss = r.step(i)
+                    sync(device)
+                dt = torch.tensor([time.perf_counter() - t0], device=device)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                loss = loss.float().reshape(1).clone()
+                if not getattr(r, "loss_is_global", False):
+                    dist.all_reduce(loss)
+                if measure:
+                    peak = torch.tensor([float(r.param_bytes + tracker.peak)], device=device)
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                    peaks[name] = peak.item() / 2**20
+                if i >= cfg.warmup:
+                    samples[name].append(dt.item())
+                    losses[name].append(loss.item())
+        if cfg.profile:
+            for name in order:
+                runners[name].activate()
+                profile.append({"model": model, "row": row.label, "seq_len": seq, "impl": name, "rank": rank,
+                                **_profiled(runners[name], cfg.warmup, device)})
+        records += _row_records(cfg, row, samples, losses, peaks, alias, layouts)
+        del runners
+    results.put(("ok", rank, (records, {"|".join(map(str, k)): v for k, v in notes.items()}, profile)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _row_records(cfg, row, samples, losses, peaks, alias, layouts) -> list[dict]:
+    import striped_sp
+
+    meds = {n: median(ts) for n, ts in samples.items() if ts}
+    base = meds.get("contiguous")
+    zig = meds.get("zigzag")
+    ref = next(iter(losses.values()), [])
+    tokens = row.seq_len * (cfg.batch if row.kind != "packed" else 1)
+    out = []
+    for name in cfg.columns(row.model):
+        src = alias.get(name, name)
+        m = meds.get(src)
+        layout = layouts.get(name)
+        pad = 0
+        if row.kind == "packed" and layout is not None:
+            pad = round(sum(striped_sp.pad_documents(torch.tensor(b), cfg.world_size, layout).padding_tokens
+                            for _, b in row.rounds[cfg.warmup:]) / cfg.rounds)
+        diff = None
+        if losses.get(src) and ref:
+            diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[src], ref))
+        out.append({"model": row.model, "row": row.label, "kind": row.kind, "seq_len": row.seq_len,
+                    "impl": name, "layout": layout, "world_size": cfg.world_size,
+                    "median_ms": None if m is None else m * 1e3,
+                    "tokens_per_s": None if m is None else tokens / m,
+                    "speedup_vs_contiguous": base / m if base and m else None,
+                    "speedup_vs_zigzag": zig / m if zig and m else None,
+                    "peak_mib": peaks.get(src), "losses": losses.get(src), "loss_rel_diff": diff,
+                    "padding_tokens": pad, "documents": row.documents, "samples_ms": [t * 1e3 for t in samples.get(src, [])]})
+    return out
+
+
+#: op-name fragments of each kind, for --profile (self CPU/CUDA time of the ops)
+_KINDS = (("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "cudnn_attention")),
+          ("communication", ("gloo", "nccl", "c10d", "all_reduce", "allreduce", "send", "recv", "barrier",
+                             "all_to_all", "alltoall", "broadcast", "wait")),
+          ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "aten::linear",
+                      "aten::matmul")))
+
+
+def _profiled(runner, i: int, device) -> dict:
+    """Milliseconds of one more step by kind of op (self time; ``host`` = wall - the kinds)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with torch_profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        runner.step(i)
+        sync(device)
+        wall = time.perf_counter() - t0
+    out = {k: 0.0 for k, _ in _KINDS}
+    for ev in prof.key_averages():
+        name = ev.key
+        self_us = ev.self_device_time_total if device.type == "cuda" else ev.self_cpu_time_total
+        for kind, frags in _KINDS:
+            if any(f in name for f in frags):
+                out[kind] += self_us / 1e3
+                break
+    out["total"] = wall * 1e3
+    out["host"] = out["total"] - sum(out[k] for k, _ in _KINDS)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# parent
+# ---------------------------------------------------------------------------------------------
+
+def _device_type(cfg: TrainConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world_size else "cpu"
+    kind = torch.device(cfg.device).type
+    if kind == "cuda" and torch.cuda.device_count() < cfg.world_size:
+        raise ValueError(f"world_size={cfg.world_size} needs that many GPUs, found {torch.cuda.device_count()}")
+    return kind
+
+
+def _check(cfg: TrainConfig) -> None:
+    import striped_sp
+
+    from .docs import parse_docs
+
+    if "contiguous" not in cfg.layouts:
+        raise ValueError("bench train needs the 'contiguous' layout: speedups are relative to it")
+    for name in cfg.layouts:
+        if name != AUTO:
+            striped_sp.get_layout(name)
+    for m in cfg.models:
+        if m not in PEERS:
+            raise ValueError(f"model {m!r}: expected megatron or hf")
+    if cfg.heads % cfg.kv_heads:
+        raise ValueError(f"heads={cfg.heads} must be a multiple of kv_heads={cfg.kv_heads}")
+    if "packed" in cfg.kinds:
+        parse_docs(cfg.docs)
+    if "window" in cfg.kinds and cfg.window < 1:
+        raise ValueError(f"window={cfg.window}: the window row needs a window >= 1")
+    for _, kind, seq in cfg.rows():
+        for name in cfg.layouts:
+            if name != AUTO and kind == "dense":
+                striped_sp.get_layout(name).check_seq_len(seq, cfg.world_size)
+
+
+def train(cfg: TrainConfig):
+    """Spawn the ranks and train; returns ``(records, notes, profile)``.
+
+    ``records``: one per (row, column): ``model``, ``row``, ``kind``, ``seq_len``, ``impl`` (the column),
+    ``layout`` (its key; ``None`` for a peer), ``median_ms``, ``tokens_per_s``, ``speedup_vs_contiguous``,
+    ``speedup_vs_zigzag``, ``peak_mib`` (parameters + the first step's peak allocations, the largest
+    rank), ``losses`` (per timed round, the global mean), ``loss_rel_diff``, ``padding_tokens``;
+    ``notes``: ``{(model, row, seq_len, impl): text}`` (skips, aliases); ``profile``: per (row, impl, rank)
+    milliseconds by kind of op (``profile=True``).
+    """
+    import torch.multiprocessing as mp
+
+    _check(cfg)
+    device_type = _device_type(cfg)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [ctx.Process(target=_worker, args=(r, cfg, device_type, init_file, results), daemon=False)
+                 for r in range(cfg.world_size)]
+        for p in procs:
+            p.start()
+        got, errors = {}, []
+        try:
+            while len(got) + len(errors) < cfg.world_size:
+                status, rank, payload = results.get(timeout=cfg.timeout_s)
+                (got.__setitem__(rank, payload) if status == "ok" else errors.append(f"rank {rank}: {payload}"))
+                if errors:
+                    break
+        except queue.Empty:
+            errors.append(f"no result within {cfg.timeout_s}s")
+        finally:
+            for p in procs:
+                p.join(timeout=10 if errors else 120)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise RuntimeError("bench train failed:\n" + "\n".join(errors))
+    records, notes, _ = got[0]
+    notes = {tuple(k.split("|")): v for k, v in notes.items()}
+    notes = {(m, r, int(s), i): v for (m, r, s, i), v in notes.items()}
+    profile = [row for r in sorted(got) for row in got[r][2]]
+    return records, notes, profile
+
+
+# ---------------------------------------------------------------------------------------------
+# report and command line
+# ---------------------------------------------------------------------------------------------
+
+def paper_table(records: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
+    """The paper's shape: one line per (model, row, length), one column per layout / peer holding
+    its speedup over contiguous (the rows and the columns of :func:`.report.format_table`)."""
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    lines = {}
+    for r in records:
+        line = lines.setdefault((r["model"], r["row"], r["seq_len"]),
+                                {"model": r["model"], "row": r["row"], "seq_len": r["seq_len"]})
+        line[r["impl"]] = r["speedup_vs_contiguous"]
+        if r["impl"] == "contiguous":
+            line["contiguous_ms"] = r["median_ms"]
+    cols = [("model", "model"), ("row", "row"), ("seq_len", "tokens"), ("contiguous_ms", "contiguous ms")]
+    return list(lines.values()), cols + [(i, i) for i in impls]
+
+
+def plot(path: str, records: list[dict]) -> None:
+    """PNG of the dense rows' speedup over contiguous against the sequence length, per model."""
+    from .report import plot_speedup
+
+    dense = [{**r, "series": f"{r['model']} {r['impl']}"} for r in records if r["kind"] == "dense"]
+    plot_speedup(path, dense, "series", f"bench train (N={records[0]['world_size']}): training step "
+                 "speedup over contiguous (Ring Attention)", theory=False)
+
+
+def register(modes) -> None:
+    """Add ``striped-sp bench train`` to the bench sub-commands."""
+    from .cli_args import _ints, names
+
+    p = modes.add_parser("train", help="end-to-end training steps (Megatron GPT, HF Llama/Mistral) per layout",
+                         description=__doc__.split("\n\n")[1] + "\n\nPresets (--preset): cpu (2 gloo ranks) and "
+                         "paper (the paper's lengths, ~1B model, N GPUs);\nexplicit options override them.")
+    p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                   help="model and row defaults (auto: paper on CUDA, cpu otherwise)")
+    p.add_argument("--models", type=names(tuple(PEERS)), default=["megatron", "hf"], help="megatron, hf")
+    p.add_argument("--rows", type=names(("dense", "packed", "window")), default=["dense", "packed", "window"],
+                   help="row kinds: dense, packed, window")
+    p.add_argument("--world-size", type=int, default=None, help="ranks N (default: 2 on CPU, the GPUs on CUDA)")
+    p.add_argument("--seq-lens", type=_ints, default=None, help="dense rows' lengths (tokens per sample)")
+    p.add_argument("--packed-lens", type=_ints, default=None, help="packed rows' lengths")
+    p.add_argument("--window-lens", type=_ints, default=None, help="window model rows' lengths")
+    p.add_argument("--docs", default=TrainConfig.docs, help="the packed rows' document mix (bench sim --docs)")
+    p.add_argument("--window", type=int, default=None, help="the window model's window (keys before a query)")
+    p.add_argument("--layouts", type=_columns, default=list(TrainConfig.layouts),
+                   help=f"columns: layout keys ('striped:stripe=doc', ...) and {AUTO} (the auto configuration)")
+    p.add_argument("--peers", default="native,ulysses", help="native (Megatron, needs TE), ulysses (HF), or none")
+    for name, help_text in (("layers", "transformer layers"), ("hidden", "model width"),
+                            ("ffn-hidden", "MLP width"), ("heads", "query heads"), ("kv-heads", "key/value heads"),
+                            ("head-dim", "head dimension"), ("vocab", "vocabulary"), ("rounds", "timed rounds")):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} (default: the preset's)")
+    p.add_argument("--batch", type=int, default=1, help="dense rows per step")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (the first measures memory)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16; auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when there are N GPUs)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default cores // N)")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed, help="weights and data")
+    p.add_argument("--profile", action="store_true", help="one more step per column under torch.profiler")
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--plot", metavar="PATH", help="PNG: dense rows' speedup over contiguous against length")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=_main)
+
+
+def _columns(text: str) -> list[str]:
+    """``--layouts``: names separated by commas, or by spaces / ';' when a key has parameters."""
+    sep = ";" if ";" in text else (" " if " " in text.strip() else ",")
+    vals = [x.strip() for x in text.split(sep) if x.strip()]
+    if not vals:
+        raise ValueError(f"--layouts {text!r}: expected layout names")
+    return vals
+
+
+def config_of(args) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``bench train`` arguments (preset defaults filled in)."""
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    preset = PRESETS[("paper" if cuda else "cpu") if args.preset == "auto" else args.preset]
+    world = args.world_size or (torch.cuda.device_count() if cuda and args.device != "cpu" else 2)
+
+    def pick(name):
+        val = getattr(args, name)
+        return preset[name] if val is None else val
+
+    peers = () if args.peers.strip() in ("", "none") else tuple(x for x in args.peers.split(",") if x)
+    return TrainConfig(models=tuple(args.models), kinds=tuple(args.rows), world_size=world,
+                       seq_lens=tuple(pick("seq_lens")), packed_lens=tuple(pick("packed_lens")),
+                       window_lens=tuple(pick("window_lens")), docs=args.docs, window=pick("window"),
+                       layouts=tuple(args.layouts), peers=peers, layers=pick("layers"), hidden=pick("hidden"),
+                       ffn_hidden=pick("ffn_hidden"), heads=pick("heads"), kv_heads=pick("kv_heads"),
+                       head_dim=pick("head_dim"), vocab=pick("vocab"), batch=args.batch, dtype=args.dtype,
+                       device=args.device, warmup=args.warmup, rounds=pick("rounds"), seed=args.seed,
+                       threads=args.threads, profile=args.profile, progress=not args.no_progress)
+
+
+def _main(args) -> int:
+    from .report import format_table, write_json
+
+    cfg = config_of(args)
+    load0 = _load()
+    t0 = time.time()
+    recs, notes, profile = train(cfg)
+    print(f"train: N={cfg.world_size} ranks, torch {torch.__version__}, {cfg.dtype} (auto: fp32 on CPU, bf16 on CUDA); "
+          f"model: {cfg.layers} layers, width {cfg.hidden}, MLP {cfg.ffn_hidden}, {cfg.heads} heads / "
+          f"{cfg.kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab}, RoPE; batch {cfg.batch}; AdamW;\n"
+          f"median of {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up (a step: forward, backward, "
+          f"gradient reduction, optimizer step; the slowest rank); {time.time() - t0:.0f} s; load average "
+          f"before/after {load0} / {_load()}\n")
+    rows, cols = paper_table(recs)
+    print("speedup of the training step over contiguous (Ring Attention), the paper's table:\n")
+    print(format_table(rows, cols))
+    detail = [{**r, "note": notes.get((r["model"], r["row"], r["seq_len"], r["impl"]), ""),
+               "loss_rel_diff": None if r["loss_rel_diff"] is None else f"{r['loss_rel_diff']:.1e}"} for r in recs]
+    print()
+    print(format_table(detail, [("model", "model"), ("row", "row"), ("seq_len", "tokens"), ("impl", "column"),
+                                ("layout", "layout"), ("median_ms", "step ms"), ("tokens_per_s", "tokens/s"),
+                                ("speedup_vs_contiguous", "vs contiguous"), ("speedup_vs_zigzag", "vs zigzag"),
+                                ("peak_mib", "peak MiB/rank"), ("padding_tokens", "padding"),
+                                ("loss_rel_diff", "loss rel diff"), ("note", "note")]))
+    if profile:
+        print("\nwhere a step goes (ms, one more step per column, self time by kind of op; "
+              "host = step - the kinds):\n")
+        print(format_table(profile, [("model", "model"), ("row", "row"), ("seq_len", "tokens"), ("impl", "column"),
+                                     ("rank", "rank"), ("total", "step"), ("attention", "attention"),
+                                     ("matmul", "matmul"), ("communication", "comm"), ("host", "host/other")]))
+    if args.json:
+        write_json(args.json, recs)
+    if args.plot:
+        plot(args.plot, recs)
+    return 0
+
+
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"

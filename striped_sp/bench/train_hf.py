@@ -1,0 +1,196 @@
+"""``bench train``, the Hugging Face side: a Llama (a Mistral for the window row) through DeepSpeed.
+
+The model is built from a config (random init from the run's seed, nothing downloaded:
+``HF_HUB_OFFLINE=1``), the engine by :func:`striped_sp.deepspeed.initialize` with the layout in the
+``context_parallel`` section, the batches sharded by :func:`striped_sp.deepspeed.shard_batch` (labels
+shifted on the full row, packed rows' documents found from their ``position_ids``).  The HF attention's
+layout is process-wide (:func:`striped_sp.deepspeed.enable_hf_attention`), so each runner switches it
+to its own before its steps.
+
+The peer ``ulysses`` is DeepSpeed's own ALST/Ulysses for Hugging Face models
+(``UlyssesSPAttentionHF.register_with_transformers``, which takes over the ``"sdpa"`` attention
+entry process-wide: registered once per process) on contiguous shards of the same rows, plain
+``deepspeed.initialize`` with its ``mpu``.  It attends causally over the whole gathered row, so it
+runs on dense rows only (it knows no packed documents and no sliding window).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .train_data import Runner, RunnerSkip, TrainRow
+
+__all__ = ["setup", "build_runner"]
+
+_ALST: dict = {}  # the ALST mpu of this process (DeepSpeed allows one registration)
+
+
+def setup(cfg, device) -> None:
+    """Once per process, before any engine: DeepSpeed's logging, and the ALST registration when the
+    ``ulysses`` peer will run (it builds DeepSpeed's sequence-parallel groups itself, which the
+    engines of our layouts then reuse)."""
+    import types
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils import logger
+
+    logger.setLevel("WARNING")
+    import deepspeed
+    import torch.distributed as tdist
+
+    import striped_sp.deepspeed as ssd
+
+    ssd.skip_cpu_shm_comm_build()  # its CPU op serves inference all-reduce only
+    deepspeed.init_distributed(dist_backend=tdist.get_backend(), auto_mpi_discovery=False, verbose=False)
+    if "ulysses" in cfg.peers and "dense" in cfg.kinds and _alst_skip(cfg) is None:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from transformers import LlamaConfig
+
+        shape = LlamaConfig(**_arch(cfg, max(cfg.seq_lens)))  # the registration reads the config only
+        _ALST["mpu"] = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=types.SimpleNamespace(config=shape), core_attn_implementation="sdpa",
+            sequence_parallel_size=cfg.world_size, micro_batch_size=1, seq_length_is_variable=True)
+
+
+def _alst_skip(cfg) -> str | None:
+    """Why the ``ulysses`` peer cannot run with this model, or ``None``."""
+    if cfg.heads % cfg.world_size or cfg.kv_heads % cfg.world_size:
+        return f"heads {cfg.heads} / kv heads {cfg.kv_heads} must divide by N={cfg.world_size}"
+    try:
+        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401
+    except ImportError as e:
+        return f"DeepSpeed's ALST is not importable ({e})"
+    return None
+
+
+def _arch(cfg, seq_len: int) -> dict:
+    return dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
+                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                head_dim=cfg.head_dim, max_position_embeddings=seq_len, attention_dropout=0.0,
+                tie_word_embeddings=False, use_cache=False)
+
+
+def _hf_model(cfg, row: TrainRow, dtype, attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    common = _arch(cfg, row.seq_len)
+    torch.manual_seed(cfg.seed)
+    if row.window:  # Mistral: a query sees itself and sliding_window - 1 keys before it
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=row.window + 1))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.config.use_cache = False
+    model.set_attn_implementation(attn)
+    return model.to(dtype)
+
+
+def _ds_config(cfg, dtype, extra: dict) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+              "sequence_parallel_size": cfg.world_size, **extra}
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _full_batch(tokens: torch.Tensor, bounds) -> dict:
+    batch = {"input_ids": tokens, "labels": tokens.clone()}
+    if bounds is None:
+        batch["position_ids"] = torch.arange(tokens.size(1)).expand_as(tokens).contiguous()
+    else:  # position_ids restart at 0 per document: shard_batch reads the documents from them
+        batch["position_ids"] = torch.cat([torch.arange(e - s) for s, e in zip(bounds[:-1], bounds[1:])])[None]
+    return batch
+
+
+def _on(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class HFRunner(Runner):
+    """One layout: a DeepSpeed engine of the model, ``context_parallel`` set to the layout."""
+
+    loss_is_global = True  # striped_sp's loss hook makes the loss the group-wide value
+
+    def __init__(self, cfg, row: TrainRow, name: str, layout: str, group, device, dtype):
+        import striped_sp
+        import striped_sp.deepspeed as ssd
+
+        super().__init__(name, layout)
+        lay = striped_sp.get_layout(layout)
+        section = {"algo": {"contiguous": "ring"}.get(lay.name, lay.name)}
+        if lay.name == "striped":
+            section.update(stripe_size=lay.stripe_size, doc_placement=lay.doc_placement)
+        model = _hf_model(cfg, row, dtype, "sdpa")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        self.engine, _, _, _ = ssd.initialize(model=model, optimizer=opt,
+                                              config=_ds_config(cfg, dtype, {"context_parallel": section}))
+        self.group = self.engine.context_parallel_group
+        self.settings = self.engine.context_parallel
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.batches = [_on(ssd.shard_batch(_full_batch(t, b), n, r, self.settings.layout), device)
+                        for t, b in row.rounds]
+
+    def activate(self) -> None:
+        import striped_sp.deepspeed as ssd
+
+        ssd.enable_hf_attention(self.engine.module, self.group, self.settings.layout, self.settings.backend)
+
+    def step(self, i: int) -> torch.Tensor:
+        loss = self.engine(**self.batches[i]).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+
+class ALSTRunner(Runner):
+    """DeepSpeed's ALST/Ulysses (module docstring)."""
+
+    loss_is_global = False
+
+    def __init__(self, cfg, row: TrainRow, name: str, device, dtype):
+        import deepspeed
+
+        import striped_sp.deepspeed as ssd
+
+        super().__init__(name, "contiguous")
+        model = _hf_model(cfg, row, dtype, "sdpa")
+        mpu = _ALST["mpu"]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(cfg, dtype, {}),
+                                                    mpu=mpu)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        group = mpu.get_sequence_parallel_group()
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.batches = []
+        for t, b in row.rounds:
+            local = ssd.shard_batch(_full_batch(t, b), n, r, "contiguous")
+            self.batches.append(_on({"input_ids": local["input_ids"], "position_ids": local["position_ids"],
+                                     "labels": local["shift_labels"], "shift_labels": local["shift_labels"],
+                                     "num_items_in_batch": local["num_items_in_batch"]}, device))
+
+    def step(self, i: int) -> torch.Tensor:
+        loss = self.engine(**self.batches[i]).loss  # this rank's share: its summed loss / the global count
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+
+def build_runner(cfg, row: TrainRow, name: str, layout: str | None, group, device, dtype) -> Runner:
+    """The runner of ``name`` (a layout column or the peer ``ulysses``) for ``row``."""
+    if layout is not None:
+        return HFRunner(cfg, row, name, layout, group, device, dtype)
+    if name != "ulysses":
+        raise RunnerSkip(f"no peer {name!r} on the Hugging Face path (ulysses only)")
+    if row.kind != "dense":
+        raise RunnerSkip("DeepSpeed's ALST attends causally over the whole row: no packed documents, no window")
+    why = _alst_skip(cfg)
+    if why is not None:
+        raise RunnerSkip(why)
+    return ALSTRunner(cfg, row, name, device, dtype)
