@@ -6,6 +6,7 @@ bench modes (``striped-sp bench MODE --help`` for each one's options and default
   run        a real multi-process run (gloo on CPU, NCCL on CUDA) with the peers torch_ring, ulysses
   hier       a model of hierarchical CP: the predicted time of every Ulysses x ring split
   precision  bf16 gradient error against N for each dtype dK/dV travel the ring in
+  train      end-to-end training steps (Megatron GPT, HF Llama/Mistral) per layout, the paper's table
 
 patch: the Megatron-LM patch files shipped with the package
   striped-sp patch --list                              the tags and the paths
@@ -21,19 +22,20 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import hier, precision
+    from .bench import hier, precision, train
     from .bench.cli_args import Formatter, add_balance, add_run, add_sim
 
     p = argparse.ArgumentParser(prog="striped-sp", description=__doc__, formatter_class=Formatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{bench,patch}")
-    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision",
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision, train",
                            description="Benchmarks and models; `striped-sp bench MODE --help` for a mode's options.")
-    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision}")
+    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision,train}")
     add_balance(modes)
     add_sim(modes)
     add_run(modes)
     hier.register(modes)
     precision.register(modes)
+    train.register(modes)
     _patch_parser(sub)
     for parser in (p, bench, *modes.choices.values(), *sub.choices.values()):
         parser.formatter_class = Formatter
@@ -146,7 +148,7 @@ def _sim(args) -> int:
     cfg = SimConfig(layouts=tuple(args.layouts), points=tuple(points), batch=args.batch, heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
                     backend=args.backend, reps=args.reps, link_gbps=args.link_gbps,
-                    every_block=args.every_block, reference=not args.no_reference,
+                    reference=not args.no_reference,
                     progress=not args.no_progress, threads=args.threads, strict_block=args.strict_block,
                     tensor_format=args.tensor_format)
     load0 = _load()
@@ -157,9 +159,9 @@ def _sim(args) -> int:
           f"{args.tensor_format}, link "
           f"{args.link_gbps or 'inf'} GB/s; load average before/after "
           f"{load0} / {_load()}\n"
-          + ("clock: CPU time of the one compute thread (other load on the machine does not count)\n"
-             if device.type == "cpu" and args.threads == 1 else "clock: wall time, device synchronised\n") +
-          "critical path = sum over ring steps of the slowest rank (kernels + merge/accumulate);\n"
+          + "the engine's executor on a LocalRing; clock: wall time of each rank's part of each round, device "
+          "synchronised (median of --reps)\n"
+          "critical path = sum over ring rounds of the slowest rank (kernels + merge/accumulate);\n"
           "efficiency = (one device, full causal over S) / N / critical path; "
           "work model = the speedup the score-entry count predicts\n")
     rows = [{**r, "tpr": r["seq_len"] // r["world_size"],
@@ -191,7 +193,7 @@ def _masked_sim(args, device, dtype) -> int:
     cfg = SimConfig(layouts=tuple(args.layouts), world_sizes=tuple(args.world_sizes), heads=args.heads,
                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
                     backend=args.backend, reps=args.reps, link_gbps=args.link_gbps, reference=not args.no_reference,
-                    progress=not args.no_progress, threads=args.threads, every_block=args.every_block)
+                    progress=not args.no_progress, threads=args.threads)
     load0 = _load()
     if args.global_every:
         from .bench.mixed import simulate_mixed
@@ -203,11 +205,8 @@ def _masked_sim(args, device, dtype) -> int:
     print(f"sim: {device.type} ({_device_name(device)}), {dtype}, batch 1, {args.heads} heads / {kvh} kv heads x "
           f"{args.head_dim}, documents {args.docs or 'one per row'}, window {args.window or 'none'}, "
           f"link {args.link_gbps or 'inf'} GB/s; load average before/after {load0} / {_load()}\n"
-          + ("clock: CPU time of the one compute thread\n" if device.type == "cpu" and args.threads == 1
-             else "clock: wall time, device synchronised\n")
-          + ("every (rank, step) timed" if args.every_block else
-             "identical (rank, step) plans timed once (compare layouts with --every-block)") +
-          " (median of --reps); critical path = sum over steps of the slowest rank;\n"
+          + "the engine's executor on a LocalRing; clock: wall time of each rank's part of each round, device "
+          "synchronised\n(median of --reps); critical path = sum over rounds of the slowest rank;\n"
           "zigzag pads every document to a multiple of 2N; efficiency = (one device, whole row) / N / critical\n")
     cols = [("layout", "layout"), ("world_size", "N"), ("tokens_per_rank", "tokens/rank"), ("documents", "docs"),
             ("padding_tokens", "padding"), ("pass", "pass"), ("critical_path_ms", "critical ms"),
@@ -334,7 +333,7 @@ def main(argv=None) -> int:
         name, handler = "striped-sp patch", _patch
     else:
         name = f"striped-sp bench {args.mode}"
-        handler = args.run if args.mode in ("hier", "precision") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
+        handler = args.run if args.mode in ("hier", "precision", "train") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
     if getattr(args, "plot", None):  # before the work, not after it
         from .bench.report import check_plotting
 

@@ -74,7 +74,7 @@ def test_sim_smoke(tmp_path, capsys):
     assert all(r["speedup_vs_contiguous"] == 1.0 for r in recs if r["layout"] == "contiguous")
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "efficiency" in capsys.readouterr().out
-    # every (rank, step) timed separately, no reference: same record shape, efficiency left empty
+    # --every-block (no effect now: every (rank, step) always runs), no reference: efficiency left empty
     assert main(["bench", "sim", "--world-sizes", "2", "--seq-lens", "8", "--heads", "2", "--head-dim", "8",
                  "--reps", "1", "--every-block", "--no-reference", "--layouts", "striped,contiguous",
                  "--device", "cpu", "--no-progress", "--json", str(path)]) == 0
@@ -183,3 +183,84 @@ def test_time_call_never_counts_the_warm_up():
     assert time_call(fn, torch.device("cpu"), reps=3, long_s=100.0, clock=clock) == 1.0
     durations, now[0] = iter([10.0, 2.0, 4.0, 9.0]), 0.0  # a long warm-up: 2 samples after it
     assert time_call(fn, torch.device("cpu"), reps=3, long_s=1.0, clock=clock) == 3.0
+
+
+def _counted(plans, method):
+    """Each rank's plan with its own copy of the kernel, whose ``method`` counts its calls."""
+    import copy
+    import dataclasses
+
+    counts = [0] * len(plans)
+    out = []
+    for r, plan in enumerate(plans):
+        kernel = copy.copy(plan.kernel)
+        inner = getattr(kernel, method)
+
+        def call(*a, r=r, inner=inner):
+            counts[r] += 1
+            return inner(*a)
+
+        setattr(kernel, method, call)
+        out.append(dataclasses.replace(plan, kernel=kernel))
+    return out, counts
+
+
+@pytest.fixture
+def one_thread():
+    """One compute thread, as ``bench sim`` runs (two threads on a loaded machine time their waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cfg(**kw):
+    from striped_sp.bench.sim import SimConfig
+
+    return SimConfig(**{"heads": 2, "head_dim": 8, "reps": 2, "reference": False, "progress": False, **kw})
+
+
+def test_sim_runs_the_engines_executor_on_every_rank(monkeypatch, one_thread):
+    """The sim times the engine's executor: each rank's kernel calls per run are its plan's
+    launches (all (rank, step) run, none shared); patching the executor changes what it measures."""
+    from striped_sp.bench import sim
+    from striped_sp.engine import autograd
+    from striped_sp.engine.request import RingRequest
+
+    cfg = _cfg()
+    kernel = sim.sim_kernel(cfg)
+    plans, counts = _counted(sim.ring_plans(cfg, RingRequest(None, layout="zigzag"), 4, 8, kernel), "forward_native")
+    bar = sim.Bar(0, "", False)
+    base = sim.time_rings(cfg, {"z": (plans, sim.random_inputs(cfg, 8, torch.Generator()))}, bar)["z"]
+    assert counts == [(cfg.reps + 1) * sum(p.launches(t) for t in range(p.steps)) for p in plans]
+    real = autograd.forward_steps
+
+    def slow(*a):  # the executor, 20 ms longer in every rank's part of every round
+        import time
+
+        steps, value = real(*a), None
+        try:
+            while True:
+                time.sleep(0.02)
+                value = yield steps.send(value) if value is not None else next(steps)
+        except StopIteration as done:
+            return done.value
+
+    monkeypatch.setattr(autograd, "forward_steps", slow)
+    slowed = sim.time_rings(cfg, {"z": (plans, sim.random_inputs(cfg, 8, torch.Generator()))}, bar)["z"]
+    assert slowed["forward"] >= base["forward"] + 4 * 0.02  # 4 rounds of the forward ring
+    assert slowed["backward"] < slowed["forward"] + 1.0
+
+
+def test_sim_link_model_takes_the_bytes_the_ring_sends(one_thread):
+    """--link-gbps: a round lasts as long as the transfer posted in it (the LocalRing's bytes):
+    K and V of one rank, fp32, over N - 1 forward rounds."""
+    from striped_sp.bench import sim
+    from striped_sp.engine.request import RingRequest
+
+    cfg = _cfg(reps=1, link_gbps=1e-6, kv_heads=1)  # 1 kB/s: the transfers dominate
+    plans = sim.ring_plans(cfg, RingRequest(None, layout="striped"), 4, 8, sim.sim_kernel(cfg))
+    crit = sim.time_rings(cfg, {"s": (plans, sim.random_inputs(cfg, 8, torch.Generator()))}, sim.Bar(0, "", False))
+    kv_bytes = 2 * 8 * 1 * 8 * 4
+    assert crit["s"]["forward"] == pytest.approx(3 * kv_bytes / 1e3, rel=0.05)
+    assert crit["s"]["backward"] > crit["s"]["forward"]  # dK/dV travel too

@@ -102,21 +102,34 @@ def test_masked_sim_refuses_what_it_cannot_honour():
             main(["bench", "sim", "--world-sizes", "2", "--docs", "fixed:4", "--device", "cpu", "--no-progress", *extra])
 
 
-def test_masked_sim_every_block_times_each_rank_step(monkeypatch):
-    """--every-block: one timing per (rank, step) even where ranks share a plan (zigzag, one
-    document of 2N chunks); without it, identical plans are timed once."""
-    from striped_sp.bench import sim_masked
-    from striped_sp.bench.sim import SimConfig
+def test_masked_sim_runs_every_rank_step(monkeypatch):
+    """Every (rank, step) of the masked executor runs, even where ranks share a plan (zigzag, two
+    documents of 4N chunks): each rank's varlen calls per run are its plan's programs."""
+    import copy
+    import dataclasses
 
-    counts = {}
+    from striped_sp.bench import sim, sim_masked
 
-    def fake_time(cfg, plans, inputs, clock, bar):
-        counts[cfg.every_block] = len(plans)
-        return {key: (1.0, 1.0) for key in plans}
+    cfg = sim.SimConfig(layouts=("zigzag",), world_sizes=(4,), heads=1, head_dim=8, dtype=torch.float32,
+                        device=torch.device("cpu"), reps=1, reference=False, progress=False)
+    work = workload("zigzag", 4, 16, "fixed:32", None)
+    plans = sim.ring_plans(cfg, sim_masked.masked_request("zigzag", work, "fixed:32", None), 4, work.local_len,
+                           sim.sim_kernel(cfg))
+    assert all(p.masked for p in plans)
+    counts, counted = [0] * 4, []
+    for r, plan in enumerate(plans):
+        kernel = copy.copy(plan.kernel)
+        inner = kernel.forward_varlen
 
-    monkeypatch.setattr(sim_masked, "_time_plans", fake_time)
-    for every in (False, True):
-        cfg = SimConfig(layouts=("zigzag",), world_sizes=(4,), heads=1, head_dim=8, dtype=torch.float32,
-                        device=torch.device("cpu"), reps=1, reference=False, progress=False, every_block=every)
-        sim_masked.simulate_masked(cfg, [16], "fixed:64", None)
-    assert counts[True] == 16 and counts[False] < 16
+        def call(*a, r=r, inner=inner):
+            counts[r] += 1
+            return inner(*a)
+
+        kernel.forward_varlen = call
+        counted.append(dataclasses.replace(plan, kernel=kernel))
+    crit = sim.time_rings(cfg, {"z": (counted, sim.random_inputs(cfg, work.local_len, torch.Generator()))},
+                          sim.Bar(0, "", False))
+    assert counts == [2 * sum(len(step) for step in p.programs) for p in plans] and min(counts) > 0
+    assert crit["z"]["forward"] > 0 and crit["z"]["fwd+bwd"] == crit["z"]["forward"] + crit["z"]["backward"]
+    records = sim_masked.simulate_masked(cfg, [16], "fixed:32", None)
+    assert len(records) == 3 and all(r["critical_path_ms"] > 0 for r in records)

@@ -10,7 +10,6 @@ import pytest
 from striped_sp.bench import mixed, sim_masked
 from striped_sp.bench.docs import workload
 from striped_sp.bench.mixed import check_global_every, combine_layers
-from striped_sp.bench.sim_masked import _plan_signature
 from striped_sp.cli import main
 from striped_sp.plan.layouts import get_layout
 from striped_sp.plan.masks import block_plan
@@ -89,16 +88,6 @@ def test_sim_global_every_records(tmp_path, capsys):
     assert all(r["plan"].startswith("whole documents <= ") and r["global_predicted_forward_ms"] > 0 for r in stripes)
     out = capsys.readouterr().out
     assert "block ms" in out and "window share" in out and "measured global layer forward" in out
-
-
-def test_masked_sim_times_identical_rank_steps_once():
-    work = workload("contiguous", 4, 32, None, None)
-    lay = get_layout("contiguous")
-    sigs = {(r, t): _plan_signature(block_plan(lay, work.mask, 4, r, (r - t) % 4)) for r in range(4) for t in range(4)}
-    # contiguous, one document: every block below the diagonal is the same full block
-    below = {sigs[(r, t)] for r in range(4) for t in range(1, 4) if t <= r}
-    assert len(below) == 1
-    assert sigs[(3, 1)] != sigs[(3, 0)]  # a full block is not the diagonal one
 
 
 def test_balance_reports_plans(tmp_path, capsys):

@@ -144,18 +144,17 @@ def add_balance(modes) -> None:
 def add_sim(modes) -> None:
     """``bench sim``."""
     s = _timed_mode(modes, "sim", "N ranks simulated on one device with the real kernels",
-                    "N ranks simulated on one device with the real kernels: every distinct\n"
-                    "(rank, step) block plan timed, the critical path summed over the ring steps.")
+                    "N ranks simulated on one device: the engine's executor on a LocalRing, every\n"
+                    "(rank, round) timed, the critical path summed over the ring's rounds.")
     s.add_argument("--world-sizes", type=_ints, default=[8], help="ring sizes N to sweep")
     _lengths(s, "tokens per rank to sweep (seq = tokens * N); default 4096 when --seq-lens is not given")
     s.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
-    s.add_argument("--reps", type=int, default=3, help="timed repetitions per distinct block plan (median)")
+    s.add_argument("--reps", type=int, default=3, help="timed repetitions of each ring (median per rank and round)")
     s.add_argument("--link-gbps", type=float, default=None,
                    help="ring link bandwidth in GB/s: a step lasts max(compute, transfer)")
     s.add_argument("--every-block", action="store_true",
-                   help="time every (rank, step) block separately instead of once per distinct plan "
-                   "(fair between layouts whose ranks have distinct plans and those whose ranks share "
-                   "one: a step then takes the slowest of N timings for every layout)")
+                   help="no effect, kept for old command lines: every (rank, step) is always run and timed "
+                   "(the engine's executor)")
     s.add_argument("--no-reference", action="store_true",
                    help="skip the single-device full causal run (efficiency left empty)")
     s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")

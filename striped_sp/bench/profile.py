@@ -1,23 +1,23 @@
-"""``bench run --profile``: where forward and backward time goes inside our ring attention (kernel
-calls, the fp32 merge, waits on the ring transfers), by timing wrappers installed in the worker
-processes only."""
+"""``bench run --profile``: where forward and backward time goes inside the engine's executor
+(kernel calls, the fp32 merge, waits on the ring transfers), by timing wrappers installed in the
+worker processes only."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-import torch
-
-from ..engine import autograd as _attention
-from ..engine import transport as _ring
 from ..engine import step as _step
+from ..engine import transport as _ring
+from ..engine.autograd import RingAttention
+from ..engine.transport import TorchTransport, ring_timeout
 from ..kernels import Kernel
 from ..plan.layouts import get_layout
+from ..plan.masks import make_mask
+from ..plan.ring_plan import build_ring_plan
 from .common import sync
 
 __all__ = ["Clock", "install_profiler", "profiled_step"]
-
-# ---------------------------------------------------------------------------------------------
 
 class Clock:
     def __init__(self, device):
@@ -58,6 +58,12 @@ class _TimedKernel(Kernel):
     def backward_native(self, *a):
         return self.clock.timed("kernel", self.inner.backward_native, *a)
 
+    def forward_varlen(self, *a):
+        return self.clock.timed("kernel", self.inner.forward_varlen, *a)
+
+    def backward_varlen(self, *a):
+        return self.clock.timed("kernel", self.inner.backward_varlen, *a)
+
 
 def install_profiler(clock: Clock):
     merge = _step.merge_block
@@ -67,14 +73,22 @@ def install_profiler(clock: Clock):
 
 
 def profiled_step(q, k, v, dout, group, layout, kernel, clock):
-    """One fwd+bwd of our ring attention with the timing kernel; phase totals in ``clock``."""
+    """One fwd+bwd of the engine's executor (``RingAttention.apply(q, k, v, plan, transport)``) with
+    the timing kernel; phase totals in ``clock``.  The plan is built before the clock starts (the
+    engine builds it once per batch)."""
     for t in (q, k, v):
         t.grad = None
-    timed = _TimedKernel(kernel, clock)
-    strict = _step.strict_block_mode(kernel, q.device, q.dtype, q.size(-1), applies=layout == "striped")
+    transport = TorchTransport(group, ring_timeout())
+    lay, n = get_layout(layout), transport.world_size
+    mask = None if lay.dense_plans else make_mask(q.size(1) * n, n, lay)
+    strict = _step.strict_block_mode(kernel, q.device, q.dtype, q.size(-1),
+                                     applies=lay.name == "striped" and mask is None)
+    plan = build_ring_plan(lay, mask, True, n, transport.rank, q.size(1), kernel=kernel, scale=q.size(-1) ** -0.5,
+                           strict_block=strict, device=q.device, dtype=q.dtype, head_dim=q.size(-1), batch=q.size(0))
+    # compiled for the kernel itself, its calls timed
+    plan = dataclasses.replace(plan, kernel=_TimedKernel(kernel, clock))
     t0 = time.perf_counter()
-    out = _attention._RingAttention.apply(q, k, v, group, get_layout(layout), True, q.size(-1) ** -0.5, timed,
-                                          None, torch.float32, strict)
+    out = RingAttention.apply(q, k, v, plan, transport)
     sync(clock.device)
     clock.t["fwd_total"] = time.perf_counter() - t0
     clock.phase = "bwd"

@@ -1,36 +1,43 @@
-"""N ranks simulated on one device, with the real kernels.
+"""N ranks simulated on one device: the engine's own executor on a :class:`LocalRing`, timed.
 
-For every layout, ring size ``N`` and sequence length ``S`` (``n = S / N`` tokens per rank), each
-rank's work at each ring step is what :class:`striped_sp.engine.autograd._RingAttention` does there:
+For every layout and point ``(N, S)`` each rank's :class:`~striped_sp.plan.ring_plan.RingPlan` is
+built once (:func:`striped_sp.engine.local.local_plans`, as :class:`~striped_sp.engine.request.RingRequest`
+builds it; planning is never timed) and the ranks' :func:`~striped_sp.engine.autograd.forward_steps` /
+:func:`~striped_sp.engine.autograd.backward_steps` generators run side by side on a
+:class:`~striped_sp.engine.transport.LocalRing` without copies (:func:`~striped_sp.engine.transport.run_local`).
+Its clock gives each rank's part of each round (a round: everything a rank runs between two of its
+transfers; the device synchronised after it); per (rank, round) the median over ``reps`` runs after
+one warm-up run.  Every (rank, round) is run and timed: nothing is shared between ranks or steps.
 
-* forward: the layout's kernel calls for (rank, source), each followed by the fp32 merge of its
-  (out, lse) into the running accumulators (step 0 starts them from the diagonal block);
-* backward: the kernel backward of the same calls with the final out/lse, then the fp32 dQ and
-  dK/dV accumulation.
-
-Kernel time depends on the call shapes only, so a rank-step is timed once per distinct plan and
-reused for every (rank, step) with that plan (``every_block=True`` times each one separately).
-A step lasts as long as its slowest rank, or as the transfer of the block to the next rank when a
-link bandwidth is given and the transfer is longer (it overlaps the compute).  The critical path
-is the sum of the step times.  The baseline for efficiency is one device running full causal
-attention over all ``S`` tokens, divided by ``N``.
+A round lasts as long as its slowest rank, or as the transfer posted in it when a link bandwidth
+is given and the transfer is longer (it overlaps the compute): the bytes a rank posts (the
+LocalRing's ``sent_bytes``: shared rows only, dK/dV in the plan's comm dtype) over one link.  The
+critical path is the sum over rounds, forward and backward separately.  The baseline for
+efficiency is the same executor on one device over all ``S`` tokens (contiguous, ``N = 1``),
+divided by ``N``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
+from ..engine import autograd
+from ..engine.local import local_plans
+from ..engine.request import RingRequest
+from ..engine.step import strict_block_mode
+from ..engine.transport import LocalRing, run_local
 from ..kernels import Kernel, resolve_kernel
 from ..plan.layouts import get_layout
-from ..engine.step import Accumulator, backward_step, forward_step, seq_slice, strict_block_mode, to_format
-from .common import clock_for, median, progress, sync, time_call, time_once
+from .common import median, progress, sync, time_call
 from .work import step_entries
 
-__all__ = ["SimConfig", "simulate"]
+__all__ = ["SimConfig", "simulate", "ring_plans", "time_rings", "reference_seconds", "Bar", "PASSES"]
 
 PASSES = ("forward", "backward", "fwd+bwd")
+CLOCK = time.perf_counter  # run_local's clock: wall time of each rank's part of a round
 
 
 @dataclasses.dataclass
@@ -48,8 +55,7 @@ class SimConfig:
     backend: str = "auto"
     reps: int = 3
     link_gbps: float | None = None  # GB/s per ring link; None: compute only
-    every_block: bool = False
-    reference: bool = True  # time the single-device full causal baseline (efficiency)
+    reference: bool = True  # time the single-device baseline (efficiency)
     progress: bool = True
     threads: int | None = 1  # CPU threads (one simulated rank = one core); None: torch's default
     strict_block: str | None = None  # "sliced" / "aligned" (striped strict block); None: the kernel's
@@ -75,49 +81,9 @@ class _AsBshd(Kernel):
         return self.inner.backward(*a)
 
 
-class _Inputs:
-    """Random q, k, v, dout, out, lse for ``n`` local tokens in the kernel's tensor format, and
-    fresh accumulators; each step runs :func:`striped_sp.engine.step.forward_step` /
-    :func:`~striped_sp.engine.step.backward_step`, as the ring does."""
-
-    def __init__(self, cfg: SimConfig, n: int, gen: torch.Generator):
-        kvh = cfg.kv_heads or cfg.heads
-        b, h, d = cfg.batch, cfg.heads, cfg.head_dim
-        self.kernel = resolve_kernel(cfg.backend, cfg.device, cfg.dtype)
-        if cfg.tensor_format == "bshd" and self.kernel.tensor_format != "bshd":
-            self.kernel = _AsBshd(self.kernel)
-        self.fmt = self.kernel.tensor_format
-        self.aligned = strict_block_mode(self.kernel, cfg.device, cfg.dtype, d, cfg.strict_block) == "aligned"
-
-        def rnd(heads):  # drawn on the device: the reference at 256k tokens is GBs per tensor
-            return to_format(torch.randn((b, n, heads, d), generator=gen, device=cfg.device, dtype=cfg.dtype),
-                             self.fmt)
-
-        self.q, self.k, self.v, self.dout = rnd(h), rnd(kvh), rnd(kvh), rnd(h)
-        self.scale = d ** -0.5
-        out, lse = self.kernel.forward_native(self.q, self.k, self.v, True, self.scale)
-        self.out, self.lse = out, lse
-        self.acc = Accumulator(self.q, fmt=self.fmt)
-        self.acc.add(slice(None), out, lse)
-        self.dq = torch.zeros(self.q.shape, dtype=torch.float32, device=cfg.device)
-        self.dk = torch.zeros(self.k.shape, dtype=torch.float32, device=cfg.device)
-        self.dv = torch.zeros(self.v.shape, dtype=torch.float32, device=cfg.device)
-
-    def forward_step(self, calls, first: bool) -> None:
-        acc = Accumulator(self.q, fmt=self.fmt) if first else self.acc  # step 0 starts from its block
-        forward_step(self.kernel, self.q, self.k, self.v, calls, self.scale, acc, self.aligned)
-
-    def backward_step(self, calls) -> None:
-        grads = backward_step(self.kernel, self.dout, self.q, self.k, self.v, self.out, self.lse, calls,
-                              self.scale, self.dq, self.fmt, self.aligned)
-        for rows, dk, dv in grads:
-            seq_slice(self.dk, rows, self.fmt).add_(dk)
-            seq_slice(self.dv, rows, self.fmt).add_(dv)
-
-
 class Bar:
-    """A manual progress bar on stderr (tqdm, the bench extra) for the timed calls of one point;
-    does nothing when off or without tqdm.  Ticks happen between timed calls (never inside one),
+    """A manual progress bar on stderr (tqdm, the bench extra) for the timed runs of one point;
+    does nothing when off or without tqdm.  Ticks happen between timed runs (never inside one),
     except in :func:`time_reference`, whose tick costs microseconds against the reference's long calls."""
 
     def __init__(self, total: int, desc: str, enabled: bool):
@@ -137,9 +103,9 @@ class Bar:
             self.bar.close()
 
 
-def timed_calls(cfg: SimConfig, plans: dict) -> int:
-    """How many (forward, backward) pairs :func:`_time_plans` runs: the bar's share of them."""
-    return (cfg.reps + 1) * sum(1 for calls, _ in plans.values() if calls)
+def ring_calls(cfg: SimConfig, rings: int) -> int:
+    """The bar's ticks for ``rings`` rings: one per ring and run (a warm-up and ``reps``)."""
+    return (cfg.reps + 1) * rings
 
 
 def reference_calls(cfg: SimConfig) -> int:
@@ -169,82 +135,119 @@ def time_reference(bar: Bar, fn, cfg: SimConfig, clock) -> float:
     return time_call(run, cfg.device, cfg.reps, long_s=_LONG_S, clock=clock)
 
 
-def _plan_key(calls, n):
-    return tuple((c.q.indices(n), c.kv.indices(n), c.causal, c.strict) for c in calls)
+def sim_kernel(cfg: SimConfig) -> Kernel:
+    """The kernel of the sweep (seen through its ``[b, s, h, d]`` API with ``tensor_format="bshd"``)."""
+    kernel = resolve_kernel(cfg.backend, cfg.device, cfg.dtype, cfg.head_dim)
+    return _AsBshd(kernel) if cfg.tensor_format == "bshd" and kernel.tensor_format != "bshd" else kernel
 
 
-def _transfer_s(cfg: SimConfig, n: int, backward: bool, last_step: bool) -> float:
-    """Seconds to send one rank's KV block (and in backward its fp32 dK/dV) over one link."""
-    if not cfg.link_gbps:
-        return 0.0
-    kvh = cfg.kv_heads or cfg.heads
-    elems = 2 * cfg.batch * n * kvh * cfg.head_dim
-    nbytes = 0 if last_step else elems * torch.tensor([], dtype=cfg.dtype).element_size()
-    if backward:
-        nbytes += elems * 4  # the fp32 dK/dV accumulators travel every step (N hops)
-    return nbytes / (cfg.link_gbps * 1e9)
+def ring_plans(cfg: SimConfig, request: RingRequest, world_size: int, local_len: int, kernel: Kernel) -> list:
+    """Every rank's plan for ``request`` (built once, reused by every run), with the strict block
+    form of ``cfg`` (``ValueError`` for ``"aligned"`` on a kernel that cannot run it)."""
+    plans = local_plans(request, world_size, local_len, device=cfg.device, dtype=cfg.dtype, head_dim=cfg.head_dim,
+                        scale=cfg.head_dim ** -0.5, batch=cfg.batch, kernel=kernel)
+    dense_striped = request.layout.name == "striped" and not plans[0].masked and request.causal
+    if strict_block_mode(kernel, cfg.device, cfg.dtype, cfg.head_dim, cfg.strict_block,
+                         applies=dense_striped) == "aligned":
+        plans = [dataclasses.replace(p, aligned=True) for p in plans]
+    return plans
 
 
-def _rank_step_keys(cfg: SimConfig, layout: str, world_size: int, n: int):
-    """``keys[t][r]``: the timing key of rank ``r`` at step ``t``, and ``plans``: key -> (calls, first)."""
-    lay = get_layout(layout)
-    keys, plans = [], {}
-    for t in range(world_size):
-        row = []
-        for r in range(world_size):
-            calls = lay.plan(r, (r - t) % world_size, world_size, n, True)
-            key = (t == 0, _plan_key(calls, n))
-            if cfg.every_block:
-                key = (layout, r, t) + key
-            plans[key] = (calls, t == 0)
-            row.append(key)
-        keys.append(row)
-    return keys, plans
+@dataclasses.dataclass
+class _Ring:
+    """One layout's plans, its inputs (shared by the ranks: only shapes matter) and the samples."""
+
+    plans: list
+    inputs: tuple
+    seconds: dict = dataclasses.field(default_factory=lambda: {"forward": {}, "backward": {}})
+    sent: dict = dataclasses.field(default_factory=lambda: {"forward": {}, "backward": {}})
 
 
-def _time_plans(cfg: SimConfig, plans: dict, inputs: "_Inputs", clock, bar: Bar | None = None) -> dict:
-    """Median (forward, backward) seconds per plan, timed round-robin over all plans (so that a
-    change of machine load hits every plan alike), after one warm-up round.  ``bar`` ticks once per
-    plan and round, between the timed calls."""
-    dev = cfg.device
-    samples = {key: ([], []) for key in plans}
-    for rnd in range(cfg.reps + 1):
-        for key, (calls, first) in plans.items():
-            if not calls:
-                continue
-            fwd = time_once(lambda: inputs.forward_step(calls, first), dev, clock)
-            bwd = time_once(lambda: inputs.backward_step(calls), dev, clock)
-            if bar is not None:
-                bar.tick()
-            if rnd > 0:
-                samples[key][0].append(fwd)
-                samples[key][1].append(bwd)
-    return {key: (median(f), median(b)) if f else (0.0, 0.0) for key, (f, b) in samples.items()}
+def _synced(steps, ring: LocalRing, device, sent: dict, rank: int):
+    """``steps`` as run_local runs it, the device synchronised after each part (so the part's
+    time on run_local's clock includes its kernels) and the bytes it posts counted per round."""
+    value, rnd = None, 0
+    while True:
+        before = ring.sent_bytes
+        try:
+            transfer = steps.send(value) if rnd else next(steps)
+        except StopIteration as done:
+            sync(device)
+            return done.value
+        sync(device)
+        sent[(rank, rnd)] = ring.sent_bytes - before
+        value = yield transfer
+        rnd += 1
 
 
-def _critical_path(cfg: SimConfig, keys, times: dict, n: int) -> dict:
-    """Critical-path seconds per pass: sum over steps of max(slowest rank, transfer)."""
-    crit = {"forward": 0.0, "backward": 0.0}
-    world_size = len(keys)
-    for t, row in enumerate(keys):
-        last = t == world_size - 1
-        for i, p in enumerate(("forward", "backward")):
-            worst = max(times[key][i] for key in row)
-            crit[p] += max(worst, _transfer_s(cfg, n, p == "backward", last))
+def _run(cfg: SimConfig, ring: _Ring, keep: bool) -> None:
+    """One forward and one backward of every rank on the executor; ``keep``: record the samples."""
+    n = len(ring.plans)
+    q, k, v, dout = ring.inputs
+    local = LocalRing(n, copy=False)
+    results = {}
+    for p in ("forward", "backward"):
+        seconds, sent = {}, {}
+
+        def clock(rank, rnd, s, seconds=seconds):
+            seconds[(rank, rnd)] = s
+
+        if p == "forward":
+            gens = [autograd.forward_steps(q, k, v, ring.plans[r], local.transports[r]) for r in range(n)]
+        else:
+            gens = [autograd.backward_steps(dout, q, k, v, *results["forward"][r], ring.plans[r], local.transports[r])
+                    for r in range(n)]
+        sync(cfg.device)
+        results[p] = run_local([_synced(g, local, cfg.device, sent, r) for r, g in enumerate(gens)], clock)
+        if keep:
+            for key, s in seconds.items():
+                ring.seconds[p].setdefault(key, []).append(s)
+            ring.sent[p] = sent
+
+
+def _critical_path(cfg: SimConfig, ring: _Ring) -> dict:
+    """Seconds per pass: the sum over rounds of max(slowest rank, longest transfer posted)."""
+    crit = {}
+    for p in ("forward", "backward"):
+        rounds: dict = {}
+        for (rank, rnd), samples in ring.seconds[p].items():
+            rounds[rnd] = max(rounds.get(rnd, 0.0), median(samples))
+        if cfg.link_gbps:
+            for (rank, rnd), nbytes in ring.sent[p].items():
+                rounds[rnd] = max(rounds.get(rnd, 0.0), nbytes / (cfg.link_gbps * 1e9))
+        crit[p] = sum(rounds.values())
     crit["fwd+bwd"] = crit["forward"] + crit["backward"]
     return crit
 
 
-def _reference(cfg: SimConfig, seq_len: int, gen: torch.Generator, clock, bar: Bar | None = None) -> dict:
-    """Single-device full causal attention over ``seq_len`` tokens: seconds per pass."""
-    inp = _Inputs(cfg, seq_len, gen)
-    from ..plan.layouts import BlockCall
+def random_inputs(cfg: SimConfig, local_len: int, gen: torch.Generator, batch: int | None = None) -> tuple:
+    """Random q, k, v, dout ``[b, local_len, h, d]``, drawn on the device."""
+    kvh = cfg.kv_heads or cfg.heads
+    shape = (cfg.batch if batch is None else batch, local_len)
+    return tuple(torch.randn((*shape, h, cfg.head_dim), generator=gen, device=cfg.device, dtype=cfg.dtype)
+                 for h in (cfg.heads, kvh, kvh, cfg.heads))
 
-    bar = bar or Bar(0, "", False)
-    full = [BlockCall(slice(None), slice(None), True)]
-    fwd = time_reference(bar, lambda: inp.kernel.forward_native(inp.q, inp.k, inp.v, True, inp.scale), cfg, clock)
-    bwd = time_reference(bar, lambda: inp.backward_step(full), cfg, clock)
-    del inp
+
+def time_rings(cfg: SimConfig, rings: dict, bar: Bar) -> dict:
+    """``{name: {pass: critical-path seconds}}`` for ``rings`` (name -> (plans, inputs)), run
+    round-robin (so that a change of machine load hits every ring alike), one warm-up run first."""
+    state = {name: _Ring(plans, inputs) for name, (plans, inputs) in rings.items()}
+    for rep in range(cfg.reps + 1):
+        for ring in state.values():
+            _run(cfg, ring, keep=rep > 0)
+            bar.tick()
+    return {name: _critical_path(cfg, ring) for name, ring in state.items()}
+
+
+def reference_seconds(cfg: SimConfig, request: RingRequest, seq_len: int, kernel: Kernel, gen, bar: Bar) -> dict:
+    """One device, the whole row: the executor's plan of a ring of one, each pass timed alone."""
+    (plan,) = ring_plans(cfg, request, 1, seq_len, kernel)
+    q, k, v, dout = random_inputs(cfg, seq_len, gen)
+    one = LocalRing(1, copy=False).transports[0]
+    out, lse = run_local([autograd.forward_steps(q, k, v, plan, one)])[0]
+    fwd = time_reference(bar, lambda: run_local([autograd.forward_steps(q, k, v, plan, one)]), cfg, CLOCK)
+    bwd = time_reference(bar, lambda: run_local([autograd.backward_steps(dout, q, k, v, out, lse, plan, one)]),
+                         cfg, CLOCK)
     return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
 
 
@@ -264,26 +267,23 @@ def simulate(cfg: SimConfig) -> list[dict]:
             get_layout(layout).check_seq_len(seq, n_ranks)
     if cfg.device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    clock = clock_for(cfg.device, cfg.threads)
     gen = torch.Generator(device=cfg.device).manual_seed(0)
+    kernel = sim_kernel(cfg)
     crits: dict = {}
     refs: dict = {}
     for n_ranks, seq in progress(points, total=len(points), desc="sim", enabled=cfg.progress):
         n = seq // n_ranks
-        inputs = _Inputs(cfg, n, gen)
-        per_layout, plans = {}, {}
-        for lay in cfg.layouts:
-            per_layout[lay], p = _rank_step_keys(cfg, lay, n_ranks, n)
-            plans.update(p)  # identical plans (e.g. every layout's diagonal block) are timed once
+        inputs = random_inputs(cfg, n, gen)
+        rings = {lay: (ring_plans(cfg, RingRequest(None, layout=lay), n_ranks, n, kernel), inputs)
+                 for lay in cfg.layouts}
         ref = cfg.reference and seq not in refs
-        bar = Bar(timed_calls(cfg, plans) + (reference_calls(cfg) if ref else 0),
+        bar = Bar(ring_calls(cfg, len(rings)) + (reference_calls(cfg) if ref else 0),
                   f"N={n_ranks} S={seq} blocks" + (" + one-device reference" if ref else ""), cfg.progress)
-        times = _time_plans(cfg, plans, inputs, clock, bar)
-        for lay in cfg.layouts:
-            crits[(n_ranks, seq, lay)] = _critical_path(cfg, per_layout[lay], times, n)
-        del inputs  # free the block inputs before the big single-device run
+        for lay, crit in time_rings(cfg, rings, bar).items():
+            crits[(n_ranks, seq, lay)] = crit
+        del inputs, rings  # free the ranks' inputs before the big single-device run
         if ref:
-            refs[seq] = _reference(cfg, seq, gen, clock, bar)
+            refs[seq] = reference_seconds(cfg, RingRequest(None, layout="contiguous"), seq, kernel, gen, bar)
         bar.close()
     records = []
     for n_ranks, seq in points:
