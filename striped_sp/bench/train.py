@@ -79,6 +79,7 @@ class TrainConfig:
     warmup: int = 1
     rounds: int = 4
     seed: int = 1234
+    init_std: float = 0.02  # weight init std (Megatron's init_method_std, HF's initializer_range)
     threads: int | None = None  # CPU threads per rank; default cores // N
     pin: bool = True
     profile: bool = False  # one more step per column under torch.profiler (ms by kind of op)
@@ -440,6 +441,7 @@ def register(modes) -> None:
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when there are N GPUs)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default cores // N)")
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="weights and data")
+    p.add_argument("--init-std", type=float, default=TrainConfig.init_std, help="weight init std")
     p.add_argument("--profile", action="store_true", help="one more step per column under torch.profiler")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="PNG: dense rows' speedup over contiguous against length")
@@ -474,6 +476,7 @@ def config_of(args) -> TrainConfig:
                        ffn_hidden=pick("ffn_hidden"), heads=pick("heads"), kv_heads=pick("kv_heads"),
                        head_dim=pick("head_dim"), vocab=pick("vocab"), batch=args.batch, dtype=args.dtype,
                        device=args.device, warmup=args.warmup, rounds=pick("rounds"), seed=args.seed,
+                       init_std=args.init_std,
                        threads=args.threads, profile=args.profile, progress=not args.no_progress)
 
 

@@ -73,7 +73,7 @@ def _arch(cfg, seq_len: int) -> dict:
     return dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
                 num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                 head_dim=cfg.head_dim, max_position_embeddings=seq_len, attention_dropout=0.0,
-                tie_word_embeddings=False, use_cache=False)
+                tie_word_embeddings=False, use_cache=False, initializer_range=cfg.init_std)
 
 
 def _hf_model(cfg, row: TrainRow, dtype, attn: str):

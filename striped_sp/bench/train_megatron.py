@@ -69,7 +69,7 @@ def _model(cfg, row: TrainRow, algo: str, device, dtype):
         context_parallel_size=cfg.world_size, attention_dropout=0.0, hidden_dropout=0.0,
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, window_size=(row.window, 0) if row.window else None,
-        init_method_std=0.02)
+        init_method_std=cfg.init_std)
     if algo == "native":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
