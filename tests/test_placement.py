@@ -151,7 +151,7 @@ def check_ring_sends_shared_rows_only(n, seed):
     """Whole documents at the end of a rank stay home: every K/V and dK/dV transfer carries the
     owner's shared rows, fewer than its local rows (and the result stays exact: check_placed)."""
     from striped_sp.plan.masks import make_mask, shared_rows
-    from striped_sp.engine.transport import Ring
+    from striped_sp.engine.transport import TorchTransport as Ring
 
     group, rank = cp_group(n)
     layout, local = "striped:stripe=doc,place=8", 40

@@ -259,10 +259,8 @@ def _dense_pieces(q0, lq, k0, lk, direct: list) -> list:
 
 
 def schedule(segs: Segments) -> Schedule:
-    """The pieces that cover ``segs`` (cached on ``segs``)."""
-    cached = getattr(segs, "_schedule", None)
-    if cached is not None:
-        return cached
+    """The pieces that cover ``segs`` (compiled once per batch into a
+    :class:`~striped_sp.kernels.varlen.ScheduledCall`)."""
     lq, lk = segs.lq, segs.lk
     lo, hi = segs.offsets()
     q0, k0 = segs.q_start, segs.k_start
@@ -282,6 +280,4 @@ def schedule(segs: Segments) -> Schedule:
     # each group has distinct rows; a row may appear once in each group
     batches = _masked_batches(narrow) + _masked_batches(left) + _masked_batches(right)
     batches += _dense_pieces(*middle, direct)
-    result = Schedule(direct, batches)
-    segs._schedule = result
-    return result
+    return Schedule(direct, batches)

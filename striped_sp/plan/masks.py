@@ -22,10 +22,8 @@ piece with two key pieces of the same document (its two chunks): those go to two
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import numbers
-import threading
 
 import torch
 
@@ -282,24 +280,9 @@ def shared_rows(layout, spec: MaskSpec, world_size: int, rank: int) -> int:
     return spec.seq_len // world_size - private
 
 
-_CACHE: "collections.OrderedDict" = collections.OrderedDict()
-_CACHE_LOCK = threading.Lock()
-_CACHE_SIZE = 16
-
-
 def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int) -> list[list[SegmentCall]]:
-    """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``).
-
-    Cached (LRU of 16) on the layout, mask, ring size and rank: every layer of a step reuses it."""
-    key = (layout.key, spec, world_size, rank)
-    with _CACHE_LOCK:
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
+    """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``).  Not
+    cached: a batch's :class:`~striped_sp.plan.ring_plan.RingPlan` holds it (the plan cache of
+    :mod:`striped_sp.engine.request` keeps the plans of a few batches)."""
     pieces: dict = {}
-    plans = [block_plan(layout, spec, world_size, rank, (rank - t) % world_size, pieces) for t in range(world_size)]
-    with _CACHE_LOCK:
-        _CACHE[key] = plans
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return plans
+    return [block_plan(layout, spec, world_size, rank, (rank - t) % world_size, pieces) for t in range(world_size)]
