@@ -13,6 +13,10 @@
 #    striped, zigzag, contiguous, speedup over contiguous and efficiency (% of ideal), once with the
 #    sliced strict block, once with the aligned one, and once with PyTorch's ops fed strided
 #    [b, s, h, d] views instead of contiguous [b, h, s, d] (--tensor-format bshd).
+# 3. bench train at N = 1 (NCCL, bf16, the paper preset's width, 4 layers, at most 10 minutes): the
+#    Megatron GPTModel and the HF Llama / Mistral training steps (forward, backward, optimizer) run on
+#    CUDA end to end for every layout, losses compared; a CP group of one attends locally, so the
+#    layouts do the same work here (their speedups need N GPUs: the sims above stand in for N > 1).
 # Record the figures in docs/benchmarks.md (section 9) with the GPU model from gpu.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,3 +53,8 @@ $PY -m striped_sp bench sim "${SHAPE[@]}" --strict-block aligned --no-reference 
 # PyTorch's ops in [b, h, s, d] (the ring's choice) against strided [b, s, h, d] views
 $PY -m striped_sp bench sim "${SHAPE[@]}" --strict-block sliced --tensor-format bshd --no-reference \
     --json "$OUT/sim_llama8b_bshd.json" 2>&1 | tee "$OUT/sim_llama8b_bshd.log"
+
+# end-to-end training steps on one GPU (the training loops' CUDA path; speedups need N GPUs)
+timeout 600 $PY -m striped_sp bench train --world-size 1 --preset paper --layers 4 --seq-lens 16384,32768 \
+    --packed-lens 32768 --window-lens 32768 --rounds 3 --no-progress \
+    --json "$OUT/train_1gpu.json" 2>&1 | tee "$OUT/train_1gpu.log"

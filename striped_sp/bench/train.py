@@ -266,17 +266,20 @@ def _row_records(cfg, row, samples, losses, peaks, alias, layouts) -> list[dict]
 
 #: op-name fragments of each kind, for --profile (self CPU/CUDA time of the ops)
 _KINDS = (("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "cudnn_attention")),
-          ("communication", ("gloo", "nccl", "c10d", "all_reduce", "allreduce", "send", "recv", "barrier",
-                             "all_to_all", "alltoall", "broadcast", "wait")),
+          ("communication", ("c10d::", "gloo", "nccl", "record_param_comms", "all_to_all", "alltoall")),
           ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "aten::linear",
                       "aten::matmul")))
 
 
 def _profiled(runner, i: int, device) -> dict:
-    """Milliseconds of one more step by kind of op (self time; ``host`` = wall - the kinds)."""
+    """Milliseconds of one more step by kind of op (self time; on CUDA the kernels' device time):
+    ``attention``, ``matmul``, ``communication``, ``other`` (every other op: elementwise, norms,
+    copies, the optimizer), ``idle`` (the step's wall time that no op covers: waits for the peer
+    outside an op, Python)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
     with torch_profile(activities=acts) as prof:
         t0 = time.perf_counter()
@@ -284,15 +287,13 @@ def _profiled(runner, i: int, device) -> dict:
         sync(device)
         wall = time.perf_counter() - t0
     out = {k: 0.0 for k, _ in _KINDS}
+    out["other"] = 0.0
     for ev in prof.key_averages():
-        name = ev.key
-        self_us = ev.self_device_time_total if device.type == "cuda" else ev.self_cpu_time_total
-        for kind, frags in _KINDS:
-            if any(f in name for f in frags):
-                out[kind] += self_us / 1e3
-                break
+        self_ms = (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e3
+        kind = next((k for k, frags in _KINDS if any(f in ev.key for f in frags)), "other")
+        out[kind] += self_ms
     out["total"] = wall * 1e3
-    out["host"] = out["total"] - sum(out[k] for k, _ in _KINDS)
+    out["idle"] = out["total"] - sum(out[k] for k in (*(k for k, _ in _KINDS), "other"))
     return out
 
 
@@ -334,6 +335,20 @@ def _check(cfg: TrainConfig) -> None:
                 striped_sp.get_layout(name).check_seq_len(seq, cfg.world_size)
 
 
+#: what each model path imports, and the extra that installs it
+_NEEDS = {"megatron": (("megatron.core", "megatron"),), "hf": (("transformers", "hf"), ("deepspeed", "deepspeed"))}
+
+
+def missing(model: str) -> str | None:
+    """Why ``model``'s path cannot run here (a package it needs is not installed), or ``None``."""
+    import importlib.util
+
+    for module, extra in _NEEDS[model]:
+        if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (pip install 'striped_sp[{extra}]')"
+    return None
+
+
 def train(cfg: TrainConfig):
     """Spawn the ranks and train; returns ``(records, notes, profile)``.
 
@@ -347,6 +362,12 @@ def train(cfg: TrainConfig):
     import torch.multiprocessing as mp
 
     _check(cfg)
+    skipped = {m: missing(m) for m in cfg.models if missing(m)}
+    if skipped:
+        cfg = dataclasses.replace(cfg, models=tuple(m for m in cfg.models if m not in skipped))
+        if not cfg.models:
+            raise ValueError("bench train: no model path can run here: " + "; ".join(
+                f"{m}: {why}" for m, why in skipped.items()))
     device_type = _device_type(cfg)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if device_type == "cpu":
@@ -379,6 +400,8 @@ def train(cfg: TrainConfig):
     notes = {tuple(k.split("|")): v for k, v in notes.items()}
     notes = {(m, r, int(s), i): v for (m, r, s, i), v in notes.items()}
     profile = [row for r in sorted(got) for row in got[r][2]]
+    for m, why in skipped.items():
+        notes[(m, "-", 0, "-")] = f"skipped: {why}"
     return records, notes, profile
 
 
@@ -493,6 +516,9 @@ def _main(args) -> int:
           f"median of {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up (a step: forward, backward, "
           f"gradient reduction, optimizer step; the slowest rank); {time.time() - t0:.0f} s; load average "
           f"before/after {load0} / {_load()}\n")
+    for (m, _, _, impl), why in notes.items():
+        if impl == "-":
+            print(f"model {m} {why}\n")
     rows, cols = paper_table(recs)
     print("speedup of the training step over contiguous (Ring Attention), the paper's table:\n")
     print(format_table(rows, cols))
@@ -505,11 +531,12 @@ def _main(args) -> int:
                                 ("peak_mib", "peak MiB/rank"), ("padding_tokens", "padding"),
                                 ("loss_rel_diff", "loss rel diff"), ("note", "note")]))
     if profile:
-        print("\nwhere a step goes (ms, one more step per column, self time by kind of op; "
-              "host = step - the kinds):\n")
+        print("\nwhere a step goes (ms; one more step per column under torch.profiler, which slows small "
+              "ops; self time by kind of op,\nother = every other op, idle = the step's time no op covers):\n")
         print(format_table(profile, [("model", "model"), ("row", "row"), ("seq_len", "tokens"), ("impl", "column"),
                                      ("rank", "rank"), ("total", "step"), ("attention", "attention"),
-                                     ("matmul", "matmul"), ("communication", "comm"), ("host", "host/other")]))
+                                     ("matmul", "matmul"), ("communication", "comm"), ("other", "other ops"),
+                                     ("idle", "idle")]))
     if args.json:
         write_json(args.json, recs)
     if args.plot:

@@ -60,6 +60,8 @@ def setup(cfg, device) -> None:
 
 def _alst_skip(cfg) -> str | None:
     """Why the ``ulysses`` peer cannot run with this model, or ``None``."""
+    if cfg.world_size < 2:
+        return "needs N >= 2 (DeepSpeed registers no sequence parallelism for one rank)"
     if cfg.heads % cfg.world_size or cfg.kv_heads % cfg.world_size:
         return f"heads {cfg.heads} / kv heads {cfg.kv_heads} must divide by N={cfg.world_size}"
     try:
