@@ -76,16 +76,20 @@ class Segments:
 
 
 def _band_entries(lq, lk, lo, hi) -> torch.Tensor:
-    """Per segment, the number of (x, y) in [0,lq) x [0,lk) with lo <= y - x <= hi."""
+    """Per segment, the number of (x, y) in [0,lq) x [0,lk) with lo <= y - x <= hi: in closed form
+    (no per-row expansion), as ``F(hi + 1) - F(lo)`` with ``F(a) = sum_x clamp(x + a, 0, lk)``."""
     if lq.numel() == 0:
         return lq
-    seg = torch.repeat_interleave(torch.arange(lq.numel()), lq)
-    start = torch.cumsum(lq, 0) - lq
-    x = torch.arange(int(lq.sum())) - start[seg]
-    first = torch.clamp(x + lo[seg], min=0)
-    last = torch.minimum(x + hi[seg], lk[seg] - 1)
-    per_row = torch.clamp(last - first + 1, min=0)
-    return torch.zeros(lq.numel(), dtype=torch.int64).index_add_(0, seg, per_row)
+    lo_c, hi_c = torch.clamp(lo, -lq, lk), torch.clamp(hi, -lq, lk)  # same entries, no overflow
+
+    def ramp(m):  # sum over t <= m of clamp(t, 0, lk)
+        inside = torch.minimum(torch.clamp(m, min=0), lk)
+        return inside * (inside + 1) // 2 + torch.clamp(m - lk, min=0) * lk
+
+    def total(a):  # sum over x in [0, lq) of clamp(x + a, 0, lk)
+        return ramp(a + lq - 1) - ramp(a - 1)
+
+    return torch.clamp(total(hi_c + 1) - total(lo_c), min=0)
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ piece with two key pieces of the same document (its two chunks): those go to two
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import torch
@@ -135,13 +136,19 @@ class SegmentCall:
     """One varlen kernel call of a ring block: ``segments`` (the bands, with their local row
     starts: what the kernels run) and ``entries`` (visible score entries, for the work model).
     ``q`` / ``kv`` list the call's local rows in packed order (a ``slice`` when they are one
-    contiguous range, else an int64 tensor), for inspection and tests.  Query rows are distinct
-    inside a call; key rows may repeat."""
+    contiguous range, else an int64 tensor), built on first access, for inspection and tests.
+    Query rows are distinct inside a call; key rows may repeat."""
 
-    q: slice | torch.Tensor
-    kv: slice | torch.Tensor
     segments: Segments
     entries: int
+
+    @functools.cached_property
+    def q(self) -> slice | torch.Tensor:
+        return _as_index(_ranges(self.segments.q_start, self.segments.lq))
+
+    @functools.cached_property
+    def kv(self) -> slice | torch.Tensor:
+        return _as_index(_ranges(self.segments.k_start, self.segments.lk))
 
     def q_len(self, n: int) -> int:
         return int(self.segments.cu_q[-1])
@@ -208,8 +215,7 @@ def _diagonal_plan(doc, local, pos, count, step) -> list[SegmentCall] | None:
     cu = torch.cat([zero, torch.cumsum(lengths, 0)])
     causal = torch.zeros(starts.numel(), dtype=torch.int64)
     segs = Segments(cu, cu.clone(), causal - 1, causal, starts, starts.clone())
-    rows = _as_index(_ranges(starts, lengths))
-    return [SegmentCall(rows, rows, segs, segs.entries())]
+    return [SegmentCall(segs, segs.entries())]
 
 
 def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, pieces=None) -> list[SegmentCall]:
@@ -258,8 +264,7 @@ def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, 
         zero = torch.zeros(1, dtype=torch.int64)
         segs = Segments(torch.cat([zero, torch.cumsum(seg_lq, 0)]), torch.cat([zero, torch.cumsum(seg_lk, 0)]),
                         wl[sel], wr[sel], q_start[sel], k_start[sel])
-        calls.append(SegmentCall(_as_index(_ranges(q_start[sel], seg_lq)), _as_index(_ranges(k_start[sel], seg_lk)),
-                                 segs, segs.entries()))
+        calls.append(SegmentCall(segs, segs.entries()))
     return calls
 
 
