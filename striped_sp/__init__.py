@@ -1,6 +1,6 @@
 """striped_sp: exact striped ring attention (context parallelism) for causal transformer training."""
 
-from .engine.request import RingRequest, ring_attention, striped_attention
+from .engine.request import RingRequest, prepare_plans, ring_attention, striped_attention
 from .plan.layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
 from .plan.packing import PaddedDocuments, document_positions, pad_documents
 from .engine.ulysses import ulysses_ring_groups
@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ring_attention",
     "RingRequest",
+    "prepare_plans",
     "striped_attention",
     "positions",
     "shard",

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from reference import reference_attention
 from seeds import seed_for
 from striped_sp.engine import local
-from striped_sp.engine.request import PLANS, RingRequest, plan_for
+from striped_sp.engine.plans import PLANS, plan_for
+from striped_sp.engine.request import RingRequest
 from striped_sp.engine.step import head_splits
 from striped_sp.engine.transport import LocalRing, run_local
 from striped_sp.kernels import KERNELS, TorchKernel
@@ -179,4 +180,18 @@ def test_layers_of_a_batch_share_one_plan():
     mask = request._mask(32, 8)
     kernel = KERNELS["torch"]
     plans = {id(plan_for(request.layout, mask, True, 8, 3, 32, kernel=kernel, scale=0.125)) for _ in range(5)}
-    assert len(plans) == 1 and PLANS.builds == 1
+    assert len(plans) == 1 and PLANS.builds == 2  # the host plan and its compilation, once
+
+
+def test_plans_prepared_ahead_are_the_layers_plans():
+    import striped_sp
+
+    PLANS.clear()
+    cu = [0, 100, 101, 256]
+    host = striped_sp.prepare_plans(256, world_size=8, rank=3, layout="striped", cu_seqlens=cu)
+    assert PLANS.builds == 1
+    request = RingRequest(None, layout="striped", cu_seqlens=cu)
+    plan = plan_for(request.layout, request._mask(32, 8), True, 8, 3, 32, kernel=KERNELS["torch"], scale=0.125)
+    assert plan.calls is host.calls and PLANS.builds == 2  # the layer only compiles the prepared plan
+    with pytest.raises(ValueError, match="cu_seqlens ends at 256"):
+        striped_sp.prepare_plans(512, world_size=8, rank=3, cu_seqlens=cu)

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..engine.agreement import gather_rows, per_call_checks_enabled
+from ..engine.request import prepare_plans
 from ..plan.layouts import get_layout, positions
 from .packed import CU_KEYS, MAX_KEYS, find_documents, pack_rows
 
@@ -146,6 +147,8 @@ def shard_batch(
         out, padded = pack_rows(batch, docs, world_size, layout, ignore_index)
         bounds = padded.cu_seqlens
         seq_len = padded.seq_len
+        if world_size > 1:  # the batch's plan, ready for its first layer
+            prepare_plans(seq_len, world_size=world_size, rank=rank, layout=layout, cu_seqlens=bounds)
     else:
         out = _plain_rows(batch, docs.valid, world_size, layout, ignore_index)
         seq_len = out["input_ids"].size(1)

@@ -20,10 +20,8 @@ What is checked when (every ``ValueError`` names the value and the rule):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import numbers
-import threading
 
 import torch
 import torch.distributed as dist
@@ -34,64 +32,17 @@ from .autograd import RingAttention
 from ..kernels import BACKENDS, Kernel, accumulator_dtype, gqa_probe_enabled, resolve_kernel
 from ..plan.layouts import Layout, get_layout
 from ..plan.masks import MaskSpec, as_bounds, check_window, make_mask
-from ..plan.ring_plan import RingPlan, build_ring_plan
+from ..plan.ring_plan import HostPlan, RingPlan
+from .plans import host_plan_for, plan_for
 from .transport import TorchTransport, ring_timeout
 from .step import strict_block_mode
 from ..plan.grouped import GroupedLayout
 from .ulysses import check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads, ulysses_ring_groups
 
-__all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of", "PLANS", "plan_for"]
+__all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of", "prepare_plans"]
 
 _UNSET = object()
 _DERIVED = 8  # derived requests (documents, windows) kept per request: a few batches' worth
-
-
-class PlanCache:
-    """The plan cache: the last :data:`PLAN_CACHE_SIZE` batches' :class:`~striped_sp.plan.ring_plan.RingPlan`
-    per rank, keyed by the call's signature and the batch's boundaries, shared by every layer and
-    request of a process (so a batch is planned once, whichever layer asks first).  The only cache of
-    plans: the planners themselves keep none."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.builds = 0
-
-    def get(self, key, build) -> RingPlan:
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        plan = build()
-        with self._lock:
-            self.builds += 1
-            self._plans[key] = plan
-            while len(self._plans) > self.size:
-                self._plans.popitem(last=False)
-        return plan
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
-
-#: plans of a few batches (the running one and those built ahead) for every layer kind of a model
-PLAN_CACHE_SIZE = 32
-PLANS = PlanCache(PLAN_CACHE_SIZE)
-
-
-def plan_for(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *, kernel,
-             scale: float, comm_dtype=torch.float32, strict_block: str = "sliced", device="cpu",
-             dtype=torch.float32, head_dim: int | None = None, batch: int = 1) -> RingPlan:
-    """The cached plan of one rank for one batch (:func:`striped_sp.plan.ring_plan.build_ring_plan`)."""
-    device = torch.device(device)
-    key = (layout.key, mask, causal, world_size, rank, local_len, kernel, scale, comm_dtype, strict_block,
-           device, dtype, head_dim, batch if mask is not None else None)
-    return PLANS.get(key, lambda: build_ring_plan(
-        layout, mask, causal, world_size, rank, local_len, kernel=kernel, scale=scale, comm_dtype=comm_dtype,
-        strict_block=strict_block, device=device, dtype=dtype, head_dim=head_dim, batch=batch))
 
 
 def window_of(window_size=None, sliding_window=None, causal: bool = True):
@@ -182,6 +133,22 @@ class RingRequest:
             self._derived.pop(next(iter(self._derived)))
         self._derived[key] = new
         return new
+
+    def prepare(self, seq_len: int, *, world_size: int | None = None, rank: int | None = None) -> HostPlan:
+        """Build this rank's plan for a batch of ``seq_len`` tokens (the global row) ahead of the
+        model, where the batch is made: the layers then find it in the plan cache.  Checks the
+        documents and window (``ValueError``); sends nothing.  ``world_size`` / ``rank``: of the
+        CP group (default: this request's group)."""
+        if world_size is None or rank is None:
+            group = self._group()
+            world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.layout.check_seq_len(seq_len, world_size)
+        local = seq_len // world_size
+        mask = self._mask(local, world_size)
+        if not self.hierarchical:
+            return host_plan_for(self.layout, mask, self.causal, world_size, rank, local)
+        u = self.ulysses_size if self.ulysses_groups is None else self.ulysses_groups[0].size()
+        return host_plan_for(GroupedLayout(self.layout, u), mask, self.causal, world_size // u, rank // u, local * u)
 
     def _group(self):
         if self.group is not None:
@@ -445,6 +412,15 @@ def ring_attention(
                               grad_comm_dtype=grad_comm_dtype, timeout=timeout, stripe_size=stripe_size,
                               doc_placement=doc_placement)
     return request(q, k, v)
+
+
+def prepare_plans(seq_len: int, group=None, *, world_size: int | None = None, rank: int | None = None,
+                  **request_args) -> HostPlan:
+    """Build this rank's plan for one batch ahead of the model (in ``get_batch``, the loader or the
+    collator): ``seq_len`` tokens on the global row, ``request_args`` as :func:`ring_attention`
+    (``layout``, ``causal``, ``cu_seqlens``, ``window_size``, ``ulysses_size``, ...).  Every layer
+    with those settings then runs the plan from the cache with no planning.  Sends nothing."""
+    return RingRequest(group, **request_args).prepare(seq_len, world_size=world_size, rank=rank)
 
 
 def striped_attention(q, k, v, group=None, **kwargs) -> torch.Tensor:

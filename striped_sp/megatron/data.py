@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..engine.request import prepare_plans
 from ..plan.layouts import get_layout, shard, unshard
 from . import packed
 from .arguments import algo_name, check_algo, layout_of
@@ -171,6 +172,8 @@ def get_thd_batch_on_this_cp_rank(
     from ..plan.masks import check_cu_seqlens
 
     check_cu_seqlens(bounds, seq_len, cp_size, lay)
+    if cp_size > 1 and len(bounds) > 2:  # the batch's plan, ready for its first layer
+        prepare_plans(seq_len, world_size=cp_size, rank=cp_rank, layout=layout, cu_seqlens=bounds)
     for key, val in batch.items():
         if key in _THD_SKIP or not isinstance(val, torch.Tensor):
             continue

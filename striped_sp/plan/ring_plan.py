@@ -26,7 +26,7 @@ import torch
 from ..kernels.varlen import Arena, compile_call
 from .masks import MaskSpec, ring_plans, shared_rows
 
-__all__ = ["RingPlan", "build_ring_plan"]
+__all__ = ["RingPlan", "HostPlan", "build_host_plan", "compile_plan", "build_ring_plan"]
 
 
 @dataclasses.dataclass
@@ -54,6 +54,62 @@ class RingPlan:
         return sum(p.launches() for p in self.programs[step])
 
 
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """The kernel-independent part of a plan: what a batch's documents and window decide (steps,
+    calls, shared rows, entries), built once per batch where the batch is made, or by the first
+    layer that needs it; :func:`compile_plan` turns it into a :class:`RingPlan` for a kernel and
+    device."""
+
+    world_size: int
+    rank: int
+    local_len: int
+    steps: int
+    calls: tuple
+    shared: tuple | None
+    entries: tuple
+    causal: bool
+    masked: bool
+
+
+def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int,
+                    local_len: int) -> HostPlan:
+    """The :class:`HostPlan` of ``rank`` of ``world_size`` (``mask`` ``None``: the dense ring)."""
+    n = local_len
+    if mask is None:
+        calls = tuple(tuple(layout.plan(rank, (rank - t) % world_size, world_size, n, causal))
+                      for t in range(world_size))
+        entries = tuple(sum(c.score_entries(n) for c in step) for step in calls)
+        return HostPlan(world_size, rank, n, world_size, calls, None, entries, causal, masked=False)
+    steps = layout.ring_steps(world_size, n, mask)
+    calls = tuple(tuple(step) for step in ring_plans(layout, mask, world_size, rank)[:steps])
+    shared = None
+    if steps > 1:
+        rows = tuple(shared_rows(layout, mask, world_size, r) for r in range(world_size))
+        shared = None if all(s == n for s in rows) else rows
+    entries = tuple(sum(c.entries for c in step) for step in calls)
+    return HostPlan(world_size, rank, n, steps, calls, shared, entries, causal, masked=True)
+
+
+def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtype = torch.float32,
+                 strict_block: str = "sliced", device="cpu", dtype=torch.float32, head_dim: int | None = None,
+                 batch: int = 1) -> RingPlan:
+    """``host`` compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim`` and ``batch`` rows:
+    masked plans get their programs, placed on the device with one copy."""
+    if not host.masked:
+        return RingPlan(host.world_size, host.rank, host.local_len, host.steps, host.calls, None,
+                        kernel.tensor_format, strict_block == "aligned", host.entries, kernel, scale, comm_dtype,
+                        masked=False)
+    arena = Arena()
+    device = torch.device(device)
+    n = host.local_len
+    programs = tuple(tuple(compile_call(kernel, c.segments, batch, n, n, device, dtype, head_dim, arena) for c in step)
+                     for step in host.calls)
+    arena.place(device)
+    return RingPlan(host.world_size, host.rank, n, host.steps, host.calls, host.shared, "bshd", False, host.entries,
+                    kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena)
+
+
 def build_ring_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *,
                     kernel, scale: float, comm_dtype: torch.dtype = torch.float32, strict_block: str = "sliced",
                     device="cpu", dtype=torch.float32, head_dim: int | None = None, batch: int = 1) -> RingPlan:
@@ -61,24 +117,6 @@ def build_ring_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
     (plain causal or full attention on a layout with dense plans), else the checked mask of the
     global row.  Masked plans are compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim``
     and ``batch`` rows, and placed on the device once."""
-    n = local_len
-    if mask is None:
-        calls = tuple(tuple(layout.plan(rank, (rank - t) % world_size, world_size, n, causal))
-                      for t in range(world_size))
-        entries = tuple(sum(c.score_entries(n) for c in step) for step in calls)
-        return RingPlan(world_size, rank, n, world_size, calls, None, kernel.tensor_format,
-                        strict_block == "aligned", entries, kernel, scale, comm_dtype, masked=False)
-    steps = layout.ring_steps(world_size, n, mask)
-    calls = tuple(tuple(step) for step in ring_plans(layout, mask, world_size, rank)[:steps])
-    shared = None
-    if steps > 1:
-        rows = tuple(shared_rows(layout, mask, world_size, r) for r in range(world_size))
-        shared = None if all(s == n for s in rows) else rows
-    arena = Arena()
-    device = torch.device(device)
-    programs = tuple(tuple(compile_call(kernel, c.segments, batch, n, n, device, dtype, head_dim, arena) for c in step)
-                     for step in calls)
-    arena.place(device)
-    entries = tuple(sum(c.entries for c in step) for step in calls)
-    return RingPlan(world_size, rank, n, steps, calls, shared, "bshd", False, entries, kernel, scale, comm_dtype,
-                    masked=True, programs=programs, arena=arena)
+    return compile_plan(build_host_plan(layout, mask, causal, world_size, rank, local_len), kernel=kernel,
+                        scale=scale, comm_dtype=comm_dtype, strict_block=strict_block, device=device, dtype=dtype,
+                        head_dim=head_dim, batch=batch)
