@@ -143,37 +143,41 @@ def plot_steps(path: Path, world_size: int, local_len: int) -> None:
 
 def packed_balance(ctx: _Context) -> str:
     """The work model on packed rows and windows (zigzag pads every document to a multiple of 2N)."""
-    lays = "striped;striped:stripe=doc;zigzag;contiguous"
-    base = ["bench", "balance", "--world-sizes", "8,32", "--tokens-per-rank", "8192", "--layouts", lays]
+    lays = ["striped", "zigzag", "contiguous"]
+    base = ["bench", "balance", "--world-sizes", "8,32", "--tokens-per-rank", "8192"]
     mixes = [
         ("web mix (lognormal, median 1024, sigma 1.2)", ctx.bench(base + ["--docs", WEB], plot="bench_packed_balance.png")),
         ("one document, window 4096", ctx.bench(base + ["--window", "4096"])),
         ("web mix + window 4096", ctx.bench(base + ["--docs", WEB, "--window", "4096"],
                                             plot="bench_packed_window_balance.png")),
     ]
+    doc = ctx.bench(["bench", "balance", "--world-sizes", "8", "--tokens-per-rank", "8192", "--docs", WEB,
+                     "--layouts", "striped:stripe=doc"])[0]
     short = ctx.bench(["bench", "balance", "--world-sizes", "32", "--tokens-per-rank", "32", "--docs", "fixed:32",
                        "--layouts", "striped;striped:place=auto;zigzag;contiguous"])
     rows = []
     for name, recs in mixes:
         for n in sorted({r["world_size"] for r in recs}):
             by = {r["layout"]: r for r in recs if r["world_size"] == n}
-            rows.append([name, n, *(_fmt(by[lay]["critical_path_over_ideal"], 4) for lay in lays.split(";")),
+            rows.append([name, n, *(_fmt(by[lay]["critical_path_over_ideal"], 4) for lay in lays),
                          by["zigzag"]["padding_tokens"]])
     by = {r["layout"]: r for r in short}
-    tail = (f"\n32 documents of 32 tokens at N = 32 (`fixed:32`): striped {by['striped']['critical_path_over_ideal']:.2f}, "
-            f"`striped:place=auto` {by['striped:place=auto']['critical_path_over_ideal']:.2f} (every document whole on one "
-            f"rank), zigzag {by['zigzag']['critical_path_over_ideal']:.2f} (pads {by['zigzag']['padding_tokens']} tokens), "
-            f"contiguous {by['contiguous']['critical_path_over_ideal']:.2f}.\n\n")
+    tail = (f"\nPer-document stripes (`striped:stripe=doc`) on the web mix at N = 8: "
+            f"{doc['critical_path_over_ideal']:.4f}, no padding. 32 documents of 32 tokens at N = 32 (`fixed:32`): "
+            f"striped {by['striped']['critical_path_over_ideal']:.2f}, `striped:place=auto` "
+            f"{by['striped:place=auto']['critical_path_over_ideal']:.2f} (every document whole on one rank), zigzag "
+            f"{by['zigzag']['critical_path_over_ideal']:.2f} (pads {by['zigzag']['padding_tokens']:,} tokens), contiguous "
+            f"{by['contiguous']['critical_path_over_ideal']:.2f}.\n\n")
     return ("Critical path over ideal (ideal: the visible score entries of the unpadded row over N), "
             "8192 tokens per rank:\n\n"
-            + _table(["row", "N", *(f"`{lay}`" for lay in lays.split(";")), "zigzag padding (tokens)"], rows) + tail
+            + _table(["row", "N", *(f"`{lay}`" for lay in lays), "zigzag padding (tokens)"], rows) + tail
             + "![balance, web mix](bench_packed_balance.png) "
               "![balance, web mix and window 4096](bench_packed_window_balance.png)\n\n" + ctx.block())
 
 
 def sim(ctx: _Context) -> str:
     """Speed against sequence length: N = 8 ranks simulated on one device with the real kernels."""
-    recs = ctx.bench(["bench", "sim", "--world-sizes", "8", "--tokens-per-rank", "1024,2048,4096,8192", "--reps", "3",
+    recs = ctx.bench(["bench", "sim", "--world-sizes", "8", "--tokens-per-rank", "512,1024,2048", "--reps", "3",
                       "--no-reference"], plot="bench_sim_cpu.png")
     recs = [r for r in recs if r["pass"] == "fwd+bwd"]
     rows = []
@@ -182,9 +186,10 @@ def sim(ctx: _Context) -> str:
         rows.append([s // 8, s, *(_fmt(by[lay]["critical_path_ms"], 0) for lay in ("striped", "zigzag", "contiguous")),
                      f"{by['striped']['speedup_vs_contiguous']:.2f}x", f"{by['zigzag']['speedup_vs_contiguous']:.2f}x",
                      f"{by['striped']['critical_path_ms'] / by['zigzag']['critical_path_ms']:.2f}"])
-    return ("Forward + backward critical path (the sum over ring steps of the slowest rank's kernel and merge "
-            "time), N = 8, 4 heads x 64, float32, batch 1. On a CPU the clock is the CPU time of the one "
-            "compute thread. The work model predicts 1.875x for a balanced layout over contiguous.\n\n"
+    return ("Forward + backward critical path (the sum over ring steps of the slowest rank's time in the engine's "
+            "executor: kernel calls, merges, gradient accumulation), N = 8, 4 heads x 64, float32, batch 1. On a "
+            "CPU the clock is the CPU time of the one compute thread. The work model predicts 1.875x for a "
+            "balanced layout over contiguous.\n\n"
             + _table(["tokens/rank", "sequence", "striped ms", "zigzag ms", "contiguous ms", "striped vs contiguous",
                       "zigzag vs contiguous", "striped / zigzag time"], rows)
             + "\n![speedup over contiguous against sequence length](bench_sim_cpu.png)\n\n" + ctx.block())
@@ -192,18 +197,18 @@ def sim(ctx: _Context) -> str:
 
 def packed_sim(ctx: _Context) -> str:
     """Packed rows and windows, N = 8 simulated, every (rank, step) timed."""
-    base = ["bench", "sim", "--world-sizes", "8", "--tokens-per-rank", "2048", "--reps", "3", "--no-reference",
-            "--every-block"]
+    base = ["bench", "sim", "--world-sizes", "8", "--tokens-per-rank", "2048", "--reps", "3", "--no-reference"]
     runs = [
         ("web mix", ctx.bench(base + ["--docs", WEB, "--layouts",
-                                      "striped;striped:stripe=doc;striped:stripe=512;zigzag;contiguous"],
-                              plot="bench_packed_sim_web.png")),
+                                      "striped;striped:stripe=doc;striped:stripe=512;zigzag;contiguous"])),
         ("one document, window 1024", ctx.bench(base + ["--window", "1024", "--layouts",
                                                         "striped;striped:stripe=128;striped:stripe=512;zigzag;contiguous"])),
         ("web mix + window 1024", ctx.bench(base + ["--docs", WEB, "--window", "1024", "--layouts",
                                                     "striped;striped:stripe=doc;striped:stripe=128;zigzag;contiguous"])),
     ]
     rows = []
+    plot_packed(ctx.out / "bench_packed_sim.png", [(name, [r for r in recs if r["pass"] == "fwd+bwd"])
+                                                     for name, recs in runs])
     for name, recs in runs:
         recs = [r for r in recs if r["pass"] == "fwd+bwd"]
         best = min(recs, key=lambda r: r["critical_path_ms"])
@@ -213,9 +218,41 @@ def packed_sim(ctx: _Context) -> str:
                          f"{r['speedup_vs_zigzag']:.2f}x" if r.get("speedup_vs_zigzag") else "-",
                          f"{r['speedup_vs_contiguous']:.2f}x", r.get("padding_tokens", 0)])
     return ("Forward + backward critical path, N = 8, 2048 tokens per rank (a row of 16,384 tokens), 4 heads x 64, "
-            "float32; every (rank, step) timed (CPU time of the compute thread); fastest per row in bold.\n\n"
+            "float32; every (rank, step) of the engine's executor timed (CPU time of the compute thread); fastest "
+            "per row in bold. Timings of blocks this small vary from run to run (the ratios of two runs of these "
+            "commands have differed by up to a third): compare the order of the layouts, and rerun on your own "
+            "machine before relying on a figure.\n\n"
             + _table(["row", "layout", "fwd+bwd ms", "vs zigzag", "vs contiguous", "padding"], rows)
-            + "\n![speedup over contiguous, web mix](bench_packed_sim_web.png)\n\n" + ctx.block())
+            + "\n![speed over zigzag on packed rows and windows](bench_packed_sim.png)\n\n"
+            + ctx.block("python -m striped_sp.bench.results --only packed-sim   # docs/bench_packed_sim.png"))
+
+
+def plot_packed(path: Path, runs: list) -> None:
+    """Horizontal bars: each layout's fwd+bwd speed over zigzag, one group per row kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values, colors = [], [], []
+    palette = {"striped": "C0", "zigzag": "C1", "contiguous": "C2"}
+    for name, recs in runs:
+        zig = next(r["critical_path_ms"] for r in recs if r["layout"] == "zigzag")
+        for r in recs:
+            labels.append(f"{name}: {r['layout']}")
+            values.append(zig / r["critical_path_ms"])
+            colors.append(palette.get(r["layout"], "C3"))
+    fig, ax = plt.subplots(figsize=(7, 0.32 * len(labels) + 1.0), dpi=90)
+    ax.barh(range(len(labels)), values, color=colors)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("fwd+bwd speed over zigzag (higher is faster)")
+    ax.set_title("N = 8 simulated, 2048 tokens per rank; red: striped with stripes", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def memory(ctx: _Context) -> str:
