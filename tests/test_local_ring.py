@@ -76,23 +76,17 @@ def test_local_ring_is_exact_at_large_n(n, per_rank, args):
 def test_local_ring_names_a_missing_message():
     ring = LocalRing(2)
 
-    def waits_for_nothing(rank):
-        got = yield ring.transports[rank].shift([torch.zeros(1, 1)], "probe") if rank == 0 else None
-        return got
+    def sends_and_waits():
+        transfer = ring.transports[0].shift([torch.zeros(1, 1)], "step 1")
+        yield transfer
+        transfer.wait()
 
     def silent():
-        yield from ()
         return None
+        yield
 
-    class Never:
-        def wait(self):
-            return ring.take(1, 0, "step 1")
-
-    def stuck():
-        yield Never()
-
-    with pytest.raises(RuntimeError, match="rank 0 waits in step 1 for rank 1"):
-        run_local([stuck(), silent()])
+    with pytest.raises(RuntimeError, match="rank 0 waits in step 1 for rank 1, which sent nothing"):
+        run_local([sends_and_waits(), silent()])
 
 
 # -- the CUDA path, dry-run on meta tensors ----------------------------------------------------

@@ -166,17 +166,17 @@ class _Ring:
 def _synced(steps, ring: LocalRing, device, sent: dict, rank: int):
     """``steps`` as run_local runs it, the device synchronised after each part (so the part's
     time on run_local's clock includes its kernels) and the bytes it posts counted per round."""
-    value, rnd = None, 0
+    rnd = 0
     while True:
         before = ring.sent_bytes
         try:
-            transfer = steps.send(value) if rnd else next(steps)
+            transfer = next(steps)
         except StopIteration as done:
             sync(device)
             return done.value
         sync(device)
         sent[(rank, rnd)] = ring.sent_bytes - before
-        value = yield transfer
+        yield transfer
         rnd += 1
 
 

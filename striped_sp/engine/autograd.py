@@ -1,10 +1,13 @@
 """The executor: a :class:`~striped_sp.plan.ring_plan.RingPlan` run over a transport, forward and
 backward, and the autograd function around it.
 
-:func:`forward_steps` and :func:`backward_steps` are generators that yield each transfer they wait
-for (:mod:`striped_sp.engine.transport`): on a process group :func:`~striped_sp.engine.transport.drive`
-waits for it, on a :class:`~striped_sp.engine.transport.LocalRing` all ranks run side by side
-(:func:`~striped_sp.engine.transport.run_local`).  So the one executor is also the simulator.
+:func:`forward_steps` and :func:`backward_steps` are generators that yield each transfer just before
+they wait for it (:mod:`striped_sp.engine.transport`): on a process group
+:func:`~striped_sp.engine.transport.drive` simply resumes them, on a
+:class:`~striped_sp.engine.transport.LocalRing` all ranks run side by side to their next wait
+(:func:`~striped_sp.engine.transport.run_local`).  So the one executor is also the simulator.  The
+generators wait themselves, so that no driver holds a received block (or a transfer whose requests
+hold a sent one) a step longer than the ring needs it.
 
 Per step the executor runs the plan's precompiled calls and nothing else: no planning, no copy to
 the device, no synchronisation; host work per step is O(kernel calls).
@@ -73,7 +76,8 @@ def forward_steps(q, k, v, plan: RingPlan, transport: Transport):
                 forward_step(kernel, qn, k_cur, v_cur, plan.calls[step], scale, acc, plan.aligned)
         k_cur = v_cur = None  # the copies: freed once sent on
         if transfer is not None:
-            k_cur, v_cur = yield transfer
+            yield transfer
+            k_cur, v_cur = transfer.wait()
             transfer = None  # its requests hold the block sent on: free it before the next shift
     del qn, k_cur, v_cur
     return from_format(acc.out, fmt, q.dtype), acc.lse
@@ -105,7 +109,8 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
             dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
         else:
             with _settle_on_error(kv_transfer):
-                dk_acc, dv_acc = (t.to(acc) for t in (yield dkv_transfer))
+                yield dkv_transfer
+                dk_acc, dv_acc = (t.to(acc) for t in dkv_transfer.wait())
             dkv_transfer = None  # its requests hold what we sent the step before
         with _settle_on_error(kv_transfer):
             if plan.masked:  # varlen calls add into dq, dk_acc, dv_acc in place
@@ -126,10 +131,12 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
                                            hops=n - step if last else 1, recv_rows=home)
             dk_acc = dv_acc = None
         if kv_transfer is not None:
-            k_cur, v_cur = yield kv_transfer
+            yield kv_transfer
+            k_cur, v_cur = kv_transfer.wait()
             kv_transfer = None  # its requests hold the block sent on: free it before the next shift
     if dkv_transfer is not None:
-        dk_acc, dv_acc = yield dkv_transfer  # our own blocks' gradients, home after n hops
+        yield dkv_transfer
+        dk_acc, dv_acc = dkv_transfer.wait()  # our own blocks' gradients, home after n hops
         if own_tail is not None and own_tail[0].size(1):
             dk_acc = torch.cat([dk_acc.to(own_tail[0].dtype), own_tail[0]], 1)
             dv_acc = torch.cat([dv_acc.to(own_tail[1].dtype), own_tail[1]], 1)

@@ -168,12 +168,11 @@ class TorchTransport(Transport):
 
 
 def drive(steps):
-    """Run an executor generator on a blocking transport: every transfer it yields is waited for
-    and its tensors sent back in; returns the generator's result."""
+    """Run an executor generator on a blocking transport (it waits for its transfers itself; a
+    yield only marks where it is about to); returns the generator's result."""
     try:
-        transfer = next(steps)
         while True:
-            transfer = steps.send(transfer.wait())
+            next(steps)
     except StopIteration as done:
         return done.value
 
@@ -230,29 +229,29 @@ class LocalTransport(Transport):
         return _LocalTransfer(self.ring, (self.rank - hops) % n, self.rank, what, recv_rows)
 
 
-def run_local(generators: list, clock=None) -> list:
-    """Run one executor generator per rank of a :class:`LocalRing` side by side: each runs until
-    it waits for a transfer, then every waiting rank gets its tensors, and so on (a round per
-    transfer).  ``clock(rank, round, seconds)``, when given, gets the host time of each rank's part
-    of each round (its compute: a transfer is only handed over).  Returns each rank's result."""
+def run_local(generators: list, clock=None, timer=None) -> list:
+    """Run one executor generator per rank of a :class:`LocalRing` side by side: each runs to the
+    point where it is about to wait for a transfer, and once every rank is there (so every send of
+    the round is posted) all resume: a round per transfer.  ``clock(rank, round, seconds)``, when
+    given, gets each rank's part of each round as measured by ``timer`` (default
+    ``time.perf_counter``; ``time.thread_time`` for CPU time): its compute, a transfer being only a
+    hand-over.  Returns each rank's result."""
     import time
 
-    n = len(generators)
-    results, waiting, values = [None] * n, {}, [None] * n
-    live = list(range(n))
-    rnd = 0
+    timer = timer or time.perf_counter
+    results = [None] * len(generators)
+    live, rnd = list(range(len(generators))), 0
     while live:
-        waiting = {}
+        waiting = []
         for r in live:
-            t0 = time.perf_counter()
+            t0 = timer()
             try:
-                waiting[r] = generators[r].send(values[r]) if rnd else next(generators[r])
+                next(generators[r])
+                waiting.append(r)
             except StopIteration as done:
                 results[r] = done.value
             if clock is not None:
-                clock(r, rnd, time.perf_counter() - t0)
-        for r, transfer in waiting.items():
-            values[r] = transfer.wait()
-        live = list(waiting)
+                clock(r, rnd, timer() - t0)
+        live = waiting
         rnd += 1
     return results
