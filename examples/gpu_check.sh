@@ -17,7 +17,7 @@
 #    Megatron GPTModel and the HF Llama / Mistral training steps (forward, backward, optimizer) run on
 #    CUDA end to end for every layout, losses compared; a CP group of one attends locally, so the
 #    layouts do the same work here (their speedups need N GPUs: the sims above stand in for N > 1).
-# Record the figures in docs/benchmarks.md (section 9) with the GPU model from gpu.txt.
+# Record the figures in docs/results.md with the GPU model from gpu.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu_out}}

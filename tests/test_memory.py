@@ -7,7 +7,7 @@ running PyTorch's fused causal SDPA fwd+bwd over the whole sequence the same way
 and broadcasts the number).  8 heads x 64, float32, 4096 tokens in all.
 
 * N=2 (the sub-groups [0, 2] and [1, 3]), 2048 tokens/rank: at most 0.75x the one process (the
-  issue's target; measured 0.726 here, 0.72 at 8192 tokens/rank, docs/benchmarks.md);
+  issue's target; measured 0.726 here, 0.72 at 8192 tokens/rank, docs/results.md "Memory per rank");
 * N=4, 1024 tokens/rank: at most 0.45x the one process (measured 0.424) and 0.62x the N=2 peak
   (measured 0.584): the inputs fall as 1/N and so does what the ring adds.
 

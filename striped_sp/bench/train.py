@@ -38,7 +38,7 @@ import torch
 
 from .common import median, pick_dtype, progress, sync
 
-__all__ = ["TrainConfig", "PRESETS", "train", "paper_table", "register"]
+__all__ = ["TrainConfig", "PRESETS", "train", "register", "config_of", "missing"]
 
 #: model and row defaults for each --preset (``cpu``: the CPU measurement, 2 gloo ranks, fp32;
 #: ``paper``: the paper's lengths with a ~1B model, for N GPUs)
@@ -159,6 +159,7 @@ def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
 
     from .memory import MemoryPeak
     from .train_data import RunnerSkip, make_row
+    from .train_report import profiled_step
 
     warnings.filterwarnings("ignore")
     device = _init(rank, cfg, device_type, init_file)
@@ -189,6 +190,7 @@ def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
             except RunnerSkip as e:
                 notes[(*key, name)] = f"skipped: {e}"
         samples = {n: [] for n in runners}
+        cpu = {n: [] for n in runners}  # the busiest rank's CPU time per step (a cross-check under load)
         losses = {n: [] for n in runners}
         peaks = {}
         order = list(runners)
@@ -201,7 +203,7 @@ def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
                 tracker = MemoryPeak(device) if measure else None
                 dist.barrier()
                 sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 if tracker is not None:
                     with tracker:
                         loss = r.step(i)
@@ -209,7 +211,7 @@ def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
                 else:
                     loss = r.step(i)
                     sync(device)
-                dt = torch.tensor([time.perf_counter() - t0], device=device)
+                dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], device=device)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 loss = loss.float().reshape(1).clone()
                 if not getattr(r, "loss_is_global", False):
@@ -219,25 +221,28 @@ def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                     peaks[name] = peak.item() / 2**20
                 if i >= cfg.warmup:
-                    samples[name].append(dt.item())
+                    samples[name].append(dt[0].item())
+                    cpu[name].append(dt[1].item())
                     losses[name].append(loss.item())
         if cfg.profile:
             for name in order:
                 runners[name].activate()
                 profile.append({"model": model, "row": row.label, "seq_len": seq, "impl": name, "rank": rank,
-                                **_profiled(runners[name], cfg.warmup, device)})
-        records += _row_records(cfg, row, samples, losses, peaks, alias, layouts)
+                                **profiled_step(runners[name], cfg.warmup, device)})
+        records += _row_records(cfg, row, samples, cpu, losses, peaks, alias, layouts)
         del runners
     results.put(("ok", rank, (records, {"|".join(map(str, k)): v for k, v in notes.items()}, profile)))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _row_records(cfg, row, samples, losses, peaks, alias, layouts) -> list[dict]:
+def _row_records(cfg, row, samples, cpu, losses, peaks, alias, layouts) -> list[dict]:
     import striped_sp
 
     meds = {n: median(ts) for n, ts in samples.items() if ts}
+    cpu_meds = {n: median(ts) for n, ts in cpu.items() if ts}
     base = meds.get("contiguous")
+    cpu_base = cpu_meds.get("contiguous")
     zig = meds.get("zigzag")
     ref = next(iter(losses.values()), [])
     tokens = row.seq_len * (cfg.batch if row.kind != "packed" else 1)
@@ -254,46 +259,17 @@ def _row_records(cfg, row, samples, losses, peaks, alias, layouts) -> list[dict]
         if losses.get(src) and ref:
             diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[src], ref))
         out.append({"model": row.model, "row": row.label, "kind": row.kind, "seq_len": row.seq_len,
-                    "impl": name, "layout": layout, "world_size": cfg.world_size,
+                    "impl": name, "layout": layout, "same_as": alias.get(name), "world_size": cfg.world_size,
                     "median_ms": None if m is None else m * 1e3,
                     "tokens_per_s": None if m is None else tokens / m,
                     "speedup_vs_contiguous": base / m if base and m else None,
                     "speedup_vs_zigzag": zig / m if zig and m else None,
+                    "cpu_ms": None if src not in cpu_meds else cpu_meds[src] * 1e3,
+                    "cpu_speedup_vs_contiguous": cpu_base / cpu_meds[src] if cpu_base and cpu_meds.get(src) else None,
                     "peak_mib": peaks.get(src), "losses": losses.get(src), "loss_rel_diff": diff,
-                    "padding_tokens": pad, "documents": row.documents, "samples_ms": [t * 1e3 for t in samples.get(src, [])]})
-    return out
-
-
-#: op-name fragments of each kind, for --profile (self CPU/CUDA time of the ops)
-_KINDS = (("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "cudnn_attention")),
-          ("communication", ("c10d::", "gloo", "nccl", "record_param_comms", "all_to_all", "alltoall")),
-          ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "aten::linear",
-                      "aten::matmul")))
-
-
-def _profiled(runner, i: int, device) -> dict:
-    """Milliseconds of one more step by kind of op (self time; on CUDA the kernels' device time):
-    ``attention``, ``matmul``, ``communication``, ``other`` (every other op: elementwise, norms,
-    copies, the optimizer), ``idle`` (the step's wall time that no op covers: waits for the peer
-    outside an op, Python)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    cuda = device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync(device)
-    with torch_profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        runner.step(i)
-        sync(device)
-        wall = time.perf_counter() - t0
-    out = {k: 0.0 for k, _ in _KINDS}
-    out["other"] = 0.0
-    for ev in prof.key_averages():
-        self_ms = (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e3
-        kind = next((k for k, frags in _KINDS if any(f in ev.key for f in frags)), "other")
-        out[kind] += self_ms
-    out["total"] = wall * 1e3
-    out["idle"] = out["total"] - sum(out[k] for k in (*(k for k, _ in _KINDS), "other"))
+                    "padding_tokens": pad, "documents": row.documents,
+                    "samples_ms": [t * 1e3 for t in samples.get(src, [])],
+                    "cpu_samples_ms": [t * 1e3 for t in cpu.get(src, [])]})
     return out
 
 
@@ -354,8 +330,12 @@ def train(cfg: TrainConfig):
 
     ``records``: one per (row, column): ``model``, ``row``, ``kind``, ``seq_len``, ``impl`` (the column),
     ``layout`` (its key; ``None`` for a peer), ``median_ms``, ``tokens_per_s``, ``speedup_vs_contiguous``,
-    ``speedup_vs_zigzag``, ``peak_mib`` (parameters + the first step's peak allocations, the largest
-    rank), ``losses`` (per timed round, the global mean), ``loss_rel_diff``, ``padding_tokens``;
+    ``speedup_vs_zigzag``, ``cpu_ms`` / ``cpu_speedup_vs_contiguous`` (the same from the busiest
+    rank's process CPU time per step: time a rank spent descheduled by other jobs does not count,
+    a wait that spins does), ``same_as`` (the column whose run this one is, when its layout resolved
+    to that column's: ``striped:auto`` on dense rows), ``peak_mib`` (parameters + the first step's
+    peak allocations, the largest rank), ``losses`` (per timed round, the global mean),
+    ``loss_rel_diff``, ``padding_tokens``, ``samples_ms`` / ``cpu_samples_ms`` (every timed round);
     ``notes``: ``{(model, row, seq_len, impl): text}`` (skips, aliases); ``profile``: per (row, impl, rank)
     milliseconds by kind of op (``profile=True``).
     """
@@ -409,30 +389,6 @@ def train(cfg: TrainConfig):
 # report and command line
 # ---------------------------------------------------------------------------------------------
 
-def paper_table(records: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
-    """The paper's shape: one line per (model, row, length), one column per layout / peer holding
-    its speedup over contiguous (the rows and the columns of :func:`.report.format_table`)."""
-    impls = list(dict.fromkeys(r["impl"] for r in records))
-    lines = {}
-    for r in records:
-        line = lines.setdefault((r["model"], r["row"], r["seq_len"]),
-                                {"model": r["model"], "row": r["row"], "seq_len": r["seq_len"]})
-        line[r["impl"]] = r["speedup_vs_contiguous"]
-        if r["impl"] == "contiguous":
-            line["contiguous_ms"] = r["median_ms"]
-    cols = [("model", "model"), ("row", "row"), ("seq_len", "tokens"), ("contiguous_ms", "contiguous ms")]
-    return list(lines.values()), cols + [(i, i) for i in impls]
-
-
-def plot(path: str, records: list[dict]) -> None:
-    """PNG of the dense rows' speedup over contiguous against the sequence length, per model."""
-    from .report import plot_speedup
-
-    dense = [{**r, "series": f"{r['model']} {r['impl']}"} for r in records if r["kind"] == "dense"]
-    plot_speedup(path, dense, "series", f"bench train (N={records[0]['world_size']}): training step "
-                 "speedup over contiguous (Ring Attention)", theory=False)
-
-
 def register(modes) -> None:
     """Add ``striped-sp bench train`` to the bench sub-commands."""
     from .cli_args import _ints, names
@@ -467,7 +423,8 @@ def register(modes) -> None:
     p.add_argument("--init-std", type=float, default=TrainConfig.init_std, help="weight init std")
     p.add_argument("--profile", action="store_true", help="one more step per column under torch.profiler")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
-    p.add_argument("--plot", metavar="PATH", help="PNG: dense rows' speedup over contiguous against length")
+    p.add_argument("--plot", metavar="PATH", help="PNG: dense rows' speedup over contiguous against length "
+                   "(needs matplotlib, the bench extra: checked before the work starts)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=_main)
 
@@ -504,39 +461,15 @@ def config_of(args) -> TrainConfig:
 
 
 def _main(args) -> int:
-    from .report import format_table, write_json
+    from .report import write_json
+    from .train_report import plot, print_report
 
     cfg = config_of(args)
     load0 = _load()
     t0 = time.time()
     recs, notes, profile = train(cfg)
-    print(f"train: N={cfg.world_size} ranks, torch {torch.__version__}, {cfg.dtype} (auto: fp32 on CPU, bf16 on CUDA); "
-          f"model: {cfg.layers} layers, width {cfg.hidden}, MLP {cfg.ffn_hidden}, {cfg.heads} heads / "
-          f"{cfg.kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab}, RoPE; batch {cfg.batch}; AdamW;\n"
-          f"median of {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up (a step: forward, backward, "
-          f"gradient reduction, optimizer step; the slowest rank); {time.time() - t0:.0f} s; load average "
-          f"before/after {load0} / {_load()}\n")
-    for (m, _, _, impl), why in notes.items():
-        if impl == "-":
-            print(f"model {m} {why}\n")
-    rows, cols = paper_table(recs)
-    print("speedup of the training step over contiguous (Ring Attention), the paper's table:\n")
-    print(format_table(rows, cols))
-    detail = [{**r, "note": notes.get((r["model"], r["row"], r["seq_len"], r["impl"]), ""),
-               "loss_rel_diff": None if r["loss_rel_diff"] is None else f"{r['loss_rel_diff']:.1e}"} for r in recs]
-    print()
-    print(format_table(detail, [("model", "model"), ("row", "row"), ("seq_len", "tokens"), ("impl", "column"),
-                                ("layout", "layout"), ("median_ms", "step ms"), ("tokens_per_s", "tokens/s"),
-                                ("speedup_vs_contiguous", "vs contiguous"), ("speedup_vs_zigzag", "vs zigzag"),
-                                ("peak_mib", "peak MiB/rank"), ("padding_tokens", "padding"),
-                                ("loss_rel_diff", "loss rel diff"), ("note", "note")]))
-    if profile:
-        print("\nwhere a step goes (ms; one more step per column under torch.profiler, which slows small "
-              "ops; self time by kind of op,\nother = every other op, idle = the step's time no op covers):\n")
-        print(format_table(profile, [("model", "model"), ("row", "row"), ("seq_len", "tokens"), ("impl", "column"),
-                                     ("rank", "rank"), ("total", "step"), ("attention", "attention"),
-                                     ("matmul", "matmul"), ("communication", "comm"), ("other", "other ops"),
-                                     ("idle", "idle")]))
+    when = f"{time.time() - t0:.0f} s; load average before/after {load0} / {_load()}"
+    print_report(cfg, recs, notes, profile, when)
     if args.json:
         write_json(args.json, recs)
     if args.plot:

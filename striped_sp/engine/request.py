@@ -378,8 +378,8 @@ def ring_attention(
             :mod:`striped_sp.plan.placement`.  Shard with the same parameters.
         grad_comm_dtype: the dtype dK/dV travel the ring in during backward (default float32:
             every hop adds in fp32, so the error does not grow with the ring size); bfloat16 or
-            float16 halve those bytes at the cost of one rounding per hop (docs/benchmarks.md,
-            section 8 has the measured error against N).
+            float16 halve those bytes at the cost of one rounding per hop (docs/tuning.md,
+            "dK/dV precision on the ring" has the measured error against N).
         timeout: seconds a rank waits for a ring transfer (or the ranks' agreement) before it
             raises ``TimeoutError`` naming itself, the peer and the step; default
             :func:`striped_sp.engine.transport.ring_timeout` (``$STRIPED_SP_RING_TIMEOUT_S``, else 600).  CPU

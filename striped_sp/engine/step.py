@@ -7,12 +7,12 @@ Tensor formats (:attr:`striped_sp.kernels.Kernel.tensor_format`):
 * ``"bshd"``: ``[batch, seq, heads, head_dim]``, the public format (flash-attn's);
 * ``"bhsd"``: ``[batch, heads, seq, head_dim]``, what PyTorch's SDPA ops take (the CPU flash op
   runs a 4096-token causal block 10-12% faster on contiguous ``bhsd`` than on a transposed
-  ``bshd`` view; docs/benchmarks.md, section 9).
+  ``bshd`` view; docs/tuning.md, "Kernels").
 
 The ring's forward converts q, k, v to the kernel's format once at entry (K/V travel in it) and
 the output back once at exit; the plans' slices stay views.  Its backward runs in ``"bshd"`` on the
 caller's tensors (:func:`backward_step` takes any kernel there): format copies alive from forward
-to backward would cost more memory than the faster calls save (docs/benchmarks.md, section 10).
+to backward would cost more memory than the faster calls save (docs/tuning.md, "Memory").
 Log-sum-exps are float32
 (float64 for float64 inputs, :func:`~striped_sp.kernels.accumulator_dtype`)
 ``[batch, heads, seq]``.

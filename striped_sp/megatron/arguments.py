@@ -108,7 +108,7 @@ def add_arguments(parser):
         "(1: token by token, the paper's layout; larger stripes mean fewer, larger kernel calls on "
         "packed rows and windows), 'doc': per document 2*CP stripes, dealt to ranks 0..CP-1 then "
         "back (large dense blocks, no padding), or 'auto': chosen from --sft, --window-size and "
-        "--window-attn-skip-freq (docs/benchmarks.md). With an integer and no document placement "
+        "--window-attn-skip-freq (docs/tuning.md). With an integer and no document placement "
         "--seq-length must be a multiple of CP * stripe size.",
     )
     add(
@@ -176,7 +176,7 @@ def _check_kernel_flags(args, flag: str) -> None:
     for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
         if getattr(args, name, False):
             raise ValueError(
-                f"{flag} does not run FP8 attention: drop --{name.replace('_', '-')} (FP8 GEMMs elsewhere "
+                f"{flag} does not run FP8 attention: set {name}=False in the TransformerConfig (FP8 GEMMs elsewhere "
                 "are fine) or use --context-parallel-algo native"
             )
 

@@ -108,7 +108,7 @@ class ContextParallelAttention(MegatronModule):
         self.window_size = _layer_window(config, self.layer_number)
         for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
             if getattr(config, name, False):
-                raise ValueError(f"{flag} does not run FP8 attention: drop --{name.replace('_', '-')}")
+                raise ValueError(f"{flag} does not run FP8 attention: set {name}=False in the TransformerConfig")
         if backend == "auto":  # the spec left it to Megatron's --attention-backend
             self.backend = kernel_backend_of(getattr(config, "attention_backend", None))
         #: --deterministic-mode: a reproducible backward (refused on kernels that have none)

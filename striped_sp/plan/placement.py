@@ -37,7 +37,7 @@ __all__ = ["CostModel", "COST_MODELS", "BALANCE_SLACK", "check_placement", "chec
 #: ``"auto"`` keeps documents whole only where the critical path stays within 1% of ideal (entries)
 BALANCE_SLACK = 0.01
 #: ``"auto"`` leaves ``"split"`` only for a predicted gain of at least 1% (at N=2 on the web mix a
-#: 0.6% predicted gain cut a document and measured 7-12% slower: docs/benchmarks.md, section 11)
+#: 0.6% predicted gain cut a document and measured 7-12% slower: docs/tuning.md, "Whole-document placement")
 MIN_GAIN = 0.01
 
 
@@ -63,7 +63,7 @@ class CostModel:
 
 
 COST_MODELS = {
-    # measured here: PyTorch's CPU flash op, fp32, head_dim 64, one thread (docs/benchmarks.md, section 10)
+    # measured here: PyTorch's CPU flash op, fp32, head_dim 64, one thread (docs/tuning.md, "Whole-document placement")
     "cpu": CostModel("cpu", 3.9, 60.0, 256.0, 20_000.0, True),
     # a prediction, not a measurement: flash-attn 2/3 style tiles of 128 rows on a GPU
     "flash_attn": CostModel("flash_attn", 0.01, 128.0, 64.0, 5_000.0, False),

@@ -3,7 +3,7 @@
 The data layout is shared by every layer, so the choice looks at the whole model: whether rows
 are packed documents, and which share of its visible score entries lies in sliding-window layers
 (Gemma / Mistral-style models alternate window and global layers).  The rule, from ``bench sim``
-(N=8, 8192 tokens per rank, fwd+bwd, this CPU; docs/benchmarks.md, sections 11-13):
+(N=8, 8192 tokens per rank, fwd+bwd, a 2-core CPU; docs/tuning.md, "Stripe size"):
 
 * no window layers: per-document stripes (``"doc"``) on packed rows; on a single-document row the
   paper's token-by-token stripes (1), which run the dense causal plans;
