@@ -394,8 +394,13 @@ def register(modes) -> None:
     from .cli_args import _ints, names
 
     p = modes.add_parser("train", help="end-to-end training steps (Megatron GPT, HF Llama/Mistral) per layout",
-                         description=__doc__.split("\n\n")[1] + "\n\nPresets (--preset): cpu (2 gloo ranks) and "
-                         "paper (the paper's lengths, ~1B model, N GPUs);\nexplicit options override them.")
+                         description="End-to-end training steps (forward, backward, gradient reduction, optimizer step)\n"
+                         "of a megatron-core GPTModel and a Hugging Face Llama / Mistral (through DeepSpeed), per layout,\n"
+                         "on N spawned ranks (gloo on CPU, NCCL on CUDA): interleaved rounds, median step time, tokens/s,\n"
+                         "speedup over contiguous (Ring Attention: the paper's table), peak memory per rank, and the\n"
+                         "losses of every layout compared (same weights, same data).\n\n"
+                         "Presets (--preset): cpu (2 gloo ranks, fp32) and paper (the paper's lengths, a ~1B model,\n"
+                         "N GPUs); explicit options override them.")
     p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
                    help="model and row defaults (auto: paper on CUDA, cpu otherwise)")
     p.add_argument("--models", type=names(tuple(PEERS)), default=["megatron", "hf"], help="megatron, hf")
