@@ -9,7 +9,8 @@ from typing import Callable, Iterable
 
 import torch
 
-__all__ = ["DTYPES", "pick_device", "pick_dtype", "sync", "clock_for", "time_once", "time_call", "progress", "median"]
+__all__ = ["DTYPES", "pick_device", "pick_dtype", "sync", "clock_for", "time_once", "time_call", "progress", "median",
+           "load_average", "spawn_ranks", "init_rank"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,3 +81,81 @@ def progress(iterable, total: int | None = None, desc: str = "", enabled: bool =
     except ImportError:
         return iterable
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def load_average() -> str:
+    """The 1-minute load average, formatted (``"?"`` where the platform has none)."""
+    import os
+
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
+def spawn_ranks(target: Callable, args: tuple, world_size: int, timeout_s: float, what: str) -> dict:
+    """Run ``target(rank, *args, init_file, results)`` in ``world_size`` spawned processes and
+    collect what each puts on ``results``: ``("ok", rank, payload)`` or ``("error", rank, text)``.
+
+    ``init_file`` is a fresh file for ``init_method="file://..."``.  Returns ``{rank: payload}``;
+    the first error (or no result within ``timeout_s``) raises ``RuntimeError`` naming ``what``,
+    after the processes were joined or killed."""
+    import os
+    import queue
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    got, errors = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [ctx.Process(target=target, args=(r, *args, init_file, results)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            while len(got) + len(errors) < world_size and not errors:
+                status, rank, payload = results.get(timeout=timeout_s)
+                if status == "ok":
+                    got[rank] = payload
+                else:
+                    errors.append(f"rank {rank}: {payload}")
+        except queue.Empty:
+            errors.append(f"no result within {timeout_s}s")
+        finally:
+            for p in procs:
+                p.join(timeout=10 if errors else 120)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(errors))
+    return got
+
+
+def init_rank(rank: int, world_size: int, device_type: str, init_file: str, timeout_s: float,
+              threads: int | None = None, pin: bool = True) -> torch.device:
+    """In a process of :func:`spawn_ranks`: its device and its process group (gloo on CPU, NCCL on
+    CUDA, ``init_method="file://init_file"``).  On CPU: ``threads`` compute threads (default
+    cores // world_size), pinned to the rank's own cores when there are enough (no migrations
+    between the ranks' threads)."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    if device_type == "cpu":
+        threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+        torch.set_num_threads(threads)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if pin and len(cores) >= world_size * threads:
+            os.sched_setaffinity(0, cores[rank * threads:(rank + 1) * threads])
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": device} if device_type == "cuda" else {}))
+    return device

@@ -27,16 +27,13 @@ Every column trains on the same data from the same weights, so the losses of a r
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-import queue
-import tempfile
 import time
 import traceback
 
 import torch
 
-from .common import median, pick_dtype, progress, sync
+from .common import init_rank, load_average, median, pick_dtype, progress, spawn_ranks, sync
 
 __all__ = ["TrainConfig", "PRESETS", "train", "register", "config_of", "missing"]
 
@@ -120,7 +117,7 @@ def _resolve(cfg: TrainConfig, row, name: str) -> str | None:
     return striped_sp.get_layout(name).key
 
 
-def _worker(rank, cfg: TrainConfig, device_type, init_file, results):
+def _worker(rank, cfg: TrainConfig, device_type, init_file, results):  # spawn_ranks' target
     try:
         _worker_body(rank, cfg, device_type, init_file, results)
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -128,28 +125,12 @@ def _worker(rank, cfg: TrainConfig, device_type, init_file, results):
 
 
 def _init(rank: int, cfg: TrainConfig, device_type: str, init_file: str):
-    import torch.distributed as dist
-
     n = cfg.world_size
-    port = os.environ.get("STRIPED_SP_TRAIN_PORT", "29533")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # DeepSpeed reads these
-    if device_type == "cpu":
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // n)
-        torch.set_num_threads(threads)
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if cfg.pin and len(cores) >= n * threads:
-            os.sched_setaffinity(0, cores[rank * threads:(rank + 1) * threads])
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("STRIPED_SP_TRAIN_PORT", "29533"))
+    if device_type == "cpu":  # DeepSpeed reads these
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        device, backend = torch.device("cpu"), "gloo"
-    else:
-        torch.cuda.set_device(rank)
-        device, backend = torch.device("cuda", rank), "nccl"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                            **({"device_id": device} if device_type == "cuda" else {}))
-    return device
+    return init_rank(rank, n, device_type, init_file, cfg.timeout_s, cfg.threads, cfg.pin)
 
 
 def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
@@ -339,8 +320,6 @@ def train(cfg: TrainConfig):
     ``notes``: ``{(model, row, seq_len, impl): text}`` (skips, aliases); ``profile``: per (row, impl, rank)
     milliseconds by kind of op (``profile=True``).
     """
-    import torch.multiprocessing as mp
-
     _check(cfg)
     skipped = {m: missing(m) for m in cfg.models if missing(m)}
     if skipped:
@@ -352,30 +331,7 @@ def train(cfg: TrainConfig):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "pg_init")
-        procs = [ctx.Process(target=_worker, args=(r, cfg, device_type, init_file, results), daemon=False)
-                 for r in range(cfg.world_size)]
-        for p in procs:
-            p.start()
-        got, errors = {}, []
-        try:
-            while len(got) + len(errors) < cfg.world_size:
-                status, rank, payload = results.get(timeout=cfg.timeout_s)
-                (got.__setitem__(rank, payload) if status == "ok" else errors.append(f"rank {rank}: {payload}"))
-                if errors:
-                    break
-        except queue.Empty:
-            errors.append(f"no result within {cfg.timeout_s}s")
-        finally:
-            for p in procs:
-                p.join(timeout=10 if errors else 120)
-                if p.is_alive():
-                    p.kill()
-    if errors:
-        raise RuntimeError("bench train failed:\n" + "\n".join(errors))
+    got = spawn_ranks(_worker, (cfg, device_type), cfg.world_size, cfg.timeout_s, "bench train")
     records, notes, _ = got[0]
     notes = {tuple(k.split("|")): v for k, v in notes.items()}
     notes = {(m, r, int(s), i): v for (m, r, s, i), v in notes.items()}
@@ -470,20 +426,13 @@ def _main(args) -> int:
     from .train_report import plot, print_report
 
     cfg = config_of(args)
-    load0 = _load()
+    load0 = load_average()
     t0 = time.time()
     recs, notes, profile = train(cfg)
-    when = f"{time.time() - t0:.0f} s; load average before/after {load0} / {_load()}"
+    when = f"{time.time() - t0:.0f} s; load average before/after {load0} / {load_average()}"
     print_report(cfg, recs, notes, profile, when)
     if args.json:
         write_json(args.json, recs)
     if args.plot:
         plot(args.plot, recs)
     return 0
-
-
-def _load() -> str:
-    try:
-        return f"{os.getloadavg()[0]:.1f}"
-    except OSError:
-        return "?"
