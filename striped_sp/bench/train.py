@@ -21,7 +21,9 @@ batches: ``--warmup`` untimed steps (the first one measures the peak memory), th
 interleaved rounds (each round steps every column once, the starting column rotating, so load from
 other processes hits all alike).  A step's time is the slowest rank's; the record is the median.
 Every column trains on the same data from the same weights, so the losses of a round must agree
-(``loss_rel_diff``: the largest relative difference to the first column over the rounds).
+(``loss_rel_diff``: the largest relative difference to the first column over the rounds).  Every
+column holds its own model and optimizer state at once (memory: columns x (model + optimizer) +
+one step's activations): where that does not fit, run fewer ``--layouts`` or ``--layers``.
 """
 
 from __future__ import annotations
