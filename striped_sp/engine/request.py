@@ -205,7 +205,7 @@ class RingRequest:
         gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
         # the environment may change between calls: the strict block form is read each time
         strict = strict_block_mode(call.kernel, q.device, q.dtype, max(q.size(-1), v.size(-1)), applies=(
-            self.layout.name == "striped" and self.layout.dense_plans and self.causal and self.bounds is None
+            self.layout.strict_block and self.causal and self.bounds is None
             and self.window is None and not self.hierarchical))
         return call if strict == call.strict_block else dataclasses.replace(call, strict_block=strict)
 

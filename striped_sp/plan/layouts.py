@@ -115,6 +115,13 @@ class Layout:
     #: True when the token order follows the documents of a packed row (each cut or kept whole by
     #: its own bounds), so data, attention and RoPE must see the same documents, padding included
     places_documents: bool = False
+    #: True when a dense causal ring has the striped strict block (keys strictly before the queries,
+    #: ``q[1:]`` x ``k[:-1]``), which kernels with a bottom-right causal mask may run aligned
+    strict_block: bool = False
+
+    def document_multiple(self, world_size: int) -> int:
+        """Every document of a packed row must be a multiple of this many tokens (1: any length)."""
+        return 1
 
     def runs(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None):
         """This rank's tokens as runs ``(local_start, first_position, count)`` of step
@@ -208,6 +215,9 @@ class Zigzag(Layout):
     seq_multiple = 2
     places_documents = True
 
+    def document_multiple(self, world_size):
+        return 2 * world_size  # Transformer Engine's THD rule: each document in 2N chunks
+
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         # two runs per document (its chunks rank and 2N-1-rank), vectorised: rows can pack thousands
         bounds = torch.tensor([0, seq_len] if cu_seqlens is None else list(cu_seqlens), dtype=torch.int64)
@@ -254,6 +264,7 @@ class Striped(Layout):
         # plain striped row needs S % (N*s) == 0
         self.seq_multiple = 1 if self.placed or self.per_document else self.stripe_size
         self.dense_plans = self.stripe_size == 1
+        self.strict_block = self.stripe_size == 1
 
     @property
     def key(self) -> str:

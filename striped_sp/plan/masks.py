@@ -63,29 +63,30 @@ def as_bounds(cu_seqlens) -> tuple[int, ...]:
 def check_cu_seqlens(cu_seqlens, seq_len: int, world_size: int, layout=None) -> tuple[int, ...]:
     """Validate document boundaries of the global packed row; returns them as a tuple of ints.
 
-    Rules: 1-D, integer, starting at 0, strictly increasing, ending at ``seq_len``; under
-    ``zigzag`` every document is a multiple of ``2 * world_size`` long (pad with
-    :func:`striped_sp.pad_documents`)."""
+    Rules: 1-D, integer, starting at 0, strictly increasing, ending at ``seq_len``; every document a
+    multiple of the ``layout``'s :meth:`~striped_sp.plan.layouts.Layout.document_multiple` (``zigzag``:
+    ``2 * world_size``; pad with :func:`striped_sp.pad_documents`)."""
     bounds = as_bounds(cu_seqlens)
     shown = list(bounds[:6]) + (["..."] if len(bounds) > 6 else [])
     if len(bounds) < 2 or bounds[0] != 0:
         raise ValueError(f"cu_seqlens={shown} must start at 0 and hold at least one document")
-    for i in range(1, len(bounds)):
-        if bounds[i] <= bounds[i - 1]:
-            raise ValueError(f"cu_seqlens must be strictly increasing: entry {i} is {bounds[i]}, "
-                             f"after {bounds[i - 1]} (cu_seqlens={shown})")
+    lengths = torch.tensor(bounds[1:], dtype=torch.int64) - torch.tensor(bounds[:-1], dtype=torch.int64)
+    bad = (lengths <= 0).nonzero()
+    if bad.numel():
+        i = int(bad[0]) + 1
+        raise ValueError(f"cu_seqlens must be strictly increasing: entry {i} is {bounds[i]}, "
+                         f"after {bounds[i - 1]} (cu_seqlens={shown})")
     if bounds[-1] != seq_len:
         raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the global row holds {seq_len} tokens "
                          f"(local length x world_size); the last boundary must equal it")
-    if layout is not None and getattr(layout, "name", layout) == "zigzag":
-        unit = 2 * world_size
-        for i in range(len(bounds) - 1):
-            length = bounds[i + 1] - bounds[i]
-            if length % unit:
-                raise ValueError(
-                    f"document {i} has {length} tokens: under layout 'zigzag' every document must be a "
-                    f"multiple of 2 * world_size = {unit} (pad them with striped_sp.pad_documents, as "
-                    "Transformer Engine does); 'striped' and 'contiguous' need no padding")
+    unit = 1 if layout is None else layout.document_multiple(world_size)
+    bad = (lengths % unit).nonzero() if unit > 1 else bad
+    if unit > 1 and bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"document {i} has {bounds[i + 1] - bounds[i]} tokens: under layout {getattr(layout, 'name', layout)!r} "
+            f"every document must be a multiple of 2 * world_size = {unit} (pad them with "
+            "striped_sp.pad_documents, as Transformer Engine does); 'striped' and 'contiguous' need no padding")
     return bounds
 
 

@@ -74,8 +74,8 @@ def pad_documents(cu_seqlens, world_size: int, layout: str = "zigzag") -> Padded
     bounds = check_cu_seqlens(raw, raw[-1] if raw else 0, world_size)
     seq_len = bounds[-1]
     lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.int64)
-    if lay.name == "zigzag":
-        unit = 2 * world_size
+    unit = lay.document_multiple(world_size)
+    if unit > 1:
         padded = (lengths + unit - 1) // unit * unit
         starts = torch.cumsum(padded, 0) - padded
         doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
