@@ -53,7 +53,7 @@ $(MVENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 test-megatron: $(MVENV)/.installed
-	$(MVENV)/bin/python -m pytest -q tests/test_megatron*.py
+	$(MVENV)/bin/python -m pytest -q tests/integration/megatron
 
 clean:
 	rm -rf $(VENV) .venv-mcore-* build *.egg-info

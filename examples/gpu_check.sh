@@ -4,9 +4,9 @@
 #
 #   bash examples/gpu_check.sh [OUT_DIR]        # OUT_DIR defaults to $OUT, else ./gpu_out
 #
-# 1. correctness: tests/test_cuda.py (every CUDA kernel against float64 on the ring's block shapes,
+# 1. correctness: tests/gpu/test_cuda.py (every CUDA kernel against float64 on the ring's block shapes,
 #    the striped ring emulated through the ring's own step functions with the sliced and the
-#    aligned strict block) and the GQA probe of tests/test_cuda_contracts.py (do PyTorch's fused
+#    aligned strict block) and the GQA probe of tests/unit/test_cuda_contracts.py (do PyTorch's fused
 #    CUDA ops take fewer kv heads?);
 #    The GQA probe's verdict per PyTorch op (gqa_probe.txt).
 # 2. sim at N = 8, 32k tokens per rank, Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16:
@@ -30,7 +30,7 @@ mkdir -p "$OUT"
   $PY -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed"
 } 2>&1 | tee "$OUT/gpu.txt"
 
-$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py "tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu" \
+$PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py "tests/unit/test_cuda_contracts.py::test_gqa_native_probe_on_gpu" \
     -rs 2>&1 | tee "$OUT/pytest.log"
 
 # which of PyTorch's CUDA ops take GQA kv heads unexpanded (TorchKernel's one-time probe)

@@ -13,13 +13,28 @@ group of this process alone: CP=1 runs of the real code path); ``deterministic_f
 
 from __future__ import annotations
 
+import pathlib
 import random
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from seeds import how_to_reproduce, seed_for
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))  # the tests' helpers
+
+from seeds import how_to_reproduce, seed_for  # noqa: E402
+
+#: the marker of each folder of tests/
+_MARKERS = {"unit": "unit", "dist": "dist", "integration": "integration", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(items):
+    tests = pathlib.Path(__file__).resolve().parent
+    for item in items:
+        parts = pathlib.Path(str(item.fspath)).resolve().relative_to(tests).parts
+        if parts and parts[0] in _MARKERS:
+            item.add_marker(getattr(pytest.mark, _MARKERS[parts[0]]))
 
 _SEED = pytest.StashKey[int]()
 

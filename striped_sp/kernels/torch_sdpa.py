@@ -23,7 +23,7 @@ _GQA_NATIVE: dict = {}  # (op, device, dtype, head_dim) -> the op takes fewer kv
 
 def _uses_cpu_op(t: torch.Tensor) -> bool:
     """Whether :class:`TorchKernel` takes its CPU op for ``t`` (else the CUDA ops).  One seam, so
-    that tests without a GPU can run the CUDA branch on CPU tensors (tests/test_cuda_contracts.py)."""
+    that tests without a GPU can run the CUDA branch on CPU tensors (tests/unit/test_cuda_contracts.py)."""
     return t.device.type == "cpu"
 
 
@@ -89,7 +89,7 @@ class TorchKernel(Kernel):
       evidence.  ``enable_gqa`` exists only on ``F.scaled_dot_product_attention``, which returns
       no lse.
 
-    ``tests/test_cuda_contracts.py::test_gqa_native_probe_on_gpu`` reports what each op does on a
+    ``tests/unit/test_cuda_contracts.py::test_gqa_native_probe_on_gpu`` reports what each op does on a
     GPU.  The masked and varlen calls keep expanding.  flash-attn (``backend="flash_attn"``) is
     GQA native already.
     """

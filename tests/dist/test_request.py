@@ -19,7 +19,7 @@ from striped_sp.engine.request import RingRequest, window_of
 
 SEED = seed_for(__name__)
 WORLD = 2
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _inputs(seq, seed, h=4, kvh=2, d=8):

@@ -11,7 +11,7 @@ from dist_helper import CaseTable, cp_group
 from reference import reference_attention, sharded_errors
 from seeds import seed_for
 
-SEED = seed_for(__name__)  # fixed (tests/seeds.py): the same in every spawned rank
+SEED = seed_for(__name__)  # fixed (tests/support/seeds.py): the same in every spawned rank
 SCALE = 0.3  # not the default head_dim ** -0.5 = 0.25 (head_dim 16): a dropped scale fails
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (8, 1)}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

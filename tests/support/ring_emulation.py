@@ -1,6 +1,6 @@
 """An N-rank ring emulated on one process with the ring's own step functions (striped_sp.engine.step):
 every (rank, source) block in the kernel's tensor format, forward then backward, against a
-float64 reference.  Used by tests/test_step.py (CPU) and tests/test_cuda.py (GPU)."""
+float64 reference.  Used by tests/unit/test_step.py (CPU) and tests/gpu/test_cuda.py (GPU)."""
 
 import torch
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "striped_sp"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "striped_sp"
 
 #: what each layer may import of the package (itself always)
 ALLOWED = {

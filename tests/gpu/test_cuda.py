@@ -1,6 +1,6 @@
 """CUDA kernels and the ring on a GPU, against a float64 reference (skipped without CUDA).
 
-On a machine with a GPU: ``.venv/bin/python -m pytest -q tests/test_cuda.py`` (CI has none).
+On a machine with a GPU: ``.venv/bin/python -m pytest -q tests/gpu/test_cuda.py`` (CI has none).
 Every backend that claims the device (PyTorch's flash / memory-efficient / cuDNN ops, flash-attn
 when installed) is checked, forward and backward, with the shapes the ring produces: square
 causal blocks, the striped strict blocks (``q[1:]`` against ``k[:-1]``, and the aligned form), dense

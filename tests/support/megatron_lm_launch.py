@@ -1,7 +1,7 @@
 """Launch Megatron-LM's pretrain_gpt.py on a CPU gloo rank, with the test-only CPU shims.
 
-    torchrun ... tests/megatron_lm_launch.py --script DIR <pretrain_gpt.py arguments>
-    torchrun ... tests/megatron_lm_launch.py --no-patch DIR <pretrain_gpt.py arguments>
+    torchrun ... tests/support/megatron_lm_launch.py --script DIR <pretrain_gpt.py arguments>
+    torchrun ... tests/support/megatron_lm_launch.py --no-patch DIR <pretrain_gpt.py arguments>
 
 ``--script DIR`` runs DIR/pretrain_gpt.py as it is (a patched checkout, or any checkout at
 CP=1); ``--no-patch DIR``

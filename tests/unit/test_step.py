@@ -2,7 +2,7 @@
 run with forward_step / backward_step in the kernel's tensor format, against a float64 reference.
 
 Covers both tensor formats, the sliced and the aligned strict block (with a bottom-right causal
-stand-in kernel on CPU, tests/bottom_right_kernel.py), MHA and GQA, and the strict-block choice.
+stand-in kernel on CPU, tests/support/bottom_right_kernel.py), MHA and GQA, and the strict-block choice.
 """
 
 import random

@@ -1,6 +1,6 @@
 """examples/megatron/train_tiny_gpt.py runs on 2 spawned ranks and tracks its CP=1 run, and that
 CP=1 run (striped_sp's code at CP=1) equals an independent float64 reference
-(tests/megatron_demo_reference.py), so the demo's agreement is not a circular one."""
+(tests/support/megatron_demo_reference.py), so the demo's agreement is not a circular one."""
 
 import os
 import re
@@ -11,8 +11,10 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(os.path.dirname(HERE), "examples", "megatron", "train_tiny_gpt.py")
+from paths import ROOT, SUPPORT
+
+HERE = str(SUPPORT)
+SCRIPT = os.path.join(str(ROOT), "examples", "megatron", "train_tiny_gpt.py")
 
 
 @pytest.mark.parametrize("extra", [[], ["--packed", "--seq-length", "128"]], ids=["dense", "packed"])

@@ -17,9 +17,9 @@ import pytest
 from striped_sp.cli import build_parser, main
 from striped_sp.patch_files import PATCH_DIR, available, patch_path, read_patch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAGS = ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0"]
-MODES = ["balance", "sim", "run", "hier", "precision"]
+MODES = ["balance", "sim", "run", "hier", "precision", "train"]
 
 
 def test_license_is_the_apache_2_text():

@@ -214,7 +214,7 @@ def _case_hf_unsharded_positions_rejected():
 
 
 def _case_hf_softcap_rejected():
-    """Soft-capping stays refused (sliding windows are accepted: tests/test_deepspeed_packed.py)."""
+    """Soft-capping stays refused (sliding windows are accepted: tests/integration/deepspeed/test_deepspeed_packed.py)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from striped_sp import positions

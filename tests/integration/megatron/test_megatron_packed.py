@@ -26,7 +26,7 @@ from seeds import seed_for
 
 pytest.importorskip("megatron.core")
 
-SEED = seed_for(__name__)  # fixed (tests/seeds.py): the same on every run
+SEED = seed_for(__name__)  # fixed (tests/support/seeds.py): the same on every run
 ALGOS = {"striped": "striped", "zigzag": "zigzag", "ring": "contiguous"}
 DOCS = [13, 3, 9, 1, 6, 8]  # 40 tokens; two documents shorter than CP=4
 VOCAB = 48

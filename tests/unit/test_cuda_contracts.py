@@ -184,7 +184,7 @@ def test_cuda_op_choice(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_aligned_strict_block_on_the_flash_op(cuda_branch, dtype):
-    """A 3-rank striped ring (tests/ring_emulation.py) through the flash op's CUDA branch in
+    """A 3-rank striped ring (tests/support/ring_emulation.py) through the flash op's CUDA branch in
     ``[b, h, s, d]``, with the strict block as all queries x ``k[:-1]`` (bottom-right causal); the
     shim admits that non-square causal call on the flash op only and answers an empty row with
     lse +inf, as flash-attn does."""

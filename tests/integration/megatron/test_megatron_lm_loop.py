@@ -15,8 +15,8 @@ reach the loss: DP=2 x 1 micro-batch at CP=1, DP=1 x 2 micro-batches at CP=2.
 
 Megatron-LM's sources come from ``../shared/megatron-lm/<tag>`` (or ``MEGATRON_LM_DIR`` with
 ``MEGATRON_LM_TAG=<tag>``), the tag chosen by the installed megatron-core release (0.16 -> core_v0.16.1,
-..., 0.19 -> core_v0.19.0). CUDA-only calls are mapped onto the CPU by ``tests/megatron_cpu_shims.py``
-in the launched processes only (``tests/megatron_lm_launch.py``). Nothing of the loop is left
+..., 0.19 -> core_v0.19.0). CUDA-only calls are mapped onto the CPU by ``tests/support/megatron_cpu_shims.py``
+in the launched processes only (``tests/support/megatron_lm_launch.py``). Nothing of the loop is left
 out; what does not run on CPU is what the flags turn off anyway: Megatron's CUDA fused kernels
 (softmax, bias-GeLU, bias-dropout-add, persistent layer norm, gradient-accumulation fusion, RoPE
 fusion), Transformer Engine (``--transformer-impl local``), torch.compile'd fusions (run eagerly)
@@ -34,8 +34,10 @@ import sys
 
 import pytest
 
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_TESTS)
+from paths import ROOT, SUPPORT
+
+_TESTS = str(SUPPORT)  # the helpers: the launch script, the CPU shims
+_ROOT = str(ROOT)
 _PATCHES = os.path.join(_ROOT, "patches")
 _SHARED_MLM = os.path.join(_ROOT, "..", "shared", "megatron-lm")
 _LAUNCH = os.path.join(_TESTS, "megatron_lm_launch.py")

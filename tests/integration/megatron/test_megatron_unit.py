@@ -472,7 +472,8 @@ def test_installed_hybrid_slicing_refuses():
 
 # ---------------------------------------------------------------- the Megatron-LM patch
 
-_PATCHES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches")
+_PATCHES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+                        "patches")
 _TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
 _SHARED_MLM = os.path.join(os.path.dirname(_PATCHES), "..", "shared", "megatron-lm")  # lexical: patches/ is a link
 

@@ -6,7 +6,7 @@ code at CP=1.  This script closes that loop on one gloo rank: the demo's own tra
 give the loss and gradients of the same model whose core attention is the float64
 ``ReferenceCoreAttention`` (nothing from striped_sp) on the plain sequences, packed rows as
 dense rows with Megatron's document mask.  Run as a script (Megatron's parallel_state is global):
-``python tests/megatron_demo_reference.py``; prints one ``ok`` line per case, raises otherwise.
+``python tests/support/megatron_demo_reference.py``; prints one ``ok`` line per case, raises otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "megatron", "train_tiny_gpt.py")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "megatron", "train_tiny_gpt.py")
 CASES = (("striped", False), ("striped", True), ("zigzag", True))
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLUGIN_PREFIXES = ("--striped-", "--context-parallel-algo", "--context-parallel-timeout")
 #: flags of third-party launchers and tools the docs show next to ours
@@ -639,7 +639,7 @@ def test_links_point_to_files_that_exist():
 
 
 def test_repository_paths_exist():
-    """Paths in inline code (``tests/test_megatron_mla.py``, ``examples/deepspeed/train.py``)."""
+    """Paths in inline code (``tests/integration/megatron/test_megatron_mla.py``, ``examples/deepspeed/train.py``)."""
     problems = Problems()
     pattern = re.compile(r"^(?:\.\./)?((?:striped_sp|tests|examples|docs|patches)/[\w./-]*)$")
     for snip in _spans():
