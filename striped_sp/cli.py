@@ -159,7 +159,8 @@ def _sim(args) -> int:
           f"{args.tensor_format}, link "
           f"{args.link_gbps or 'inf'} GB/s; load average before/after "
           f"{load0} / {_load()}\n"
-          + "the engine's executor on a LocalRing; clock: wall time of each rank's part of each round, device "
+          + "the engine's executor on a LocalRing; clock: each rank's part of each round (CPU time with one "
+          "compute thread on a CPU, else wall time), device "
           "synchronised (median of --reps)\n"
           "critical path = sum over ring rounds of the slowest rank (kernels + merge/accumulate);\n"
           "efficiency = (one device, full causal over S) / N / critical path; "
@@ -205,7 +206,8 @@ def _masked_sim(args, device, dtype) -> int:
     print(f"sim: {device.type} ({_device_name(device)}), {dtype}, batch 1, {args.heads} heads / {kvh} kv heads x "
           f"{args.head_dim}, documents {args.docs or 'one per row'}, window {args.window or 'none'}, "
           f"link {args.link_gbps or 'inf'} GB/s; load average before/after {load0} / {_load()}\n"
-          + "the engine's executor on a LocalRing; clock: wall time of each rank's part of each round, device "
+          + "the engine's executor on a LocalRing; clock: each rank's part of each round (CPU time with one "
+          "compute thread on a CPU, else wall time), device "
           "synchronised\n(median of --reps); critical path = sum over rounds of the slowest rank;\n"
           "zigzag pads every document to a multiple of 2N; efficiency = (one device, whole row) / N / critical\n")
     cols = [("layout", "layout"), ("world_size", "N"), ("tokens_per_rank", "tokens/rank"), ("documents", "docs"),

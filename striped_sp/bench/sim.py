@@ -31,13 +31,12 @@ from ..engine.step import strict_block_mode
 from ..engine.transport import LocalRing, run_local
 from ..kernels import Kernel, resolve_kernel
 from ..plan.layouts import get_layout
-from .common import median, progress, sync, time_call
+from .common import clock_for, median, progress, sync, time_call
 from .work import step_entries
 
 __all__ = ["SimConfig", "simulate", "ring_plans", "time_rings", "reference_seconds", "Bar", "PASSES"]
 
 PASSES = ("forward", "backward", "fwd+bwd")
-CLOCK = time.perf_counter  # run_local's clock: wall time of each rank's part of a round
 
 
 @dataclasses.dataclass
@@ -198,7 +197,8 @@ def _run(cfg: SimConfig, ring: _Ring, keep: bool) -> None:
             gens = [autograd.backward_steps(dout, q, k, v, *results["forward"][r], ring.plans[r], local.transports[r])
                     for r in range(n)]
         sync(cfg.device)
-        results[p] = run_local([_synced(g, local, cfg.device, sent, r) for r, g in enumerate(gens)], clock)
+        results[p] = run_local([_synced(g, local, cfg.device, sent, r) for r, g in enumerate(gens)], clock,
+                               timer=clock_for(cfg.device, cfg.threads))
         if keep:
             for key, s in seconds.items():
                 ring.seconds[p].setdefault(key, []).append(s)
@@ -245,9 +245,10 @@ def reference_seconds(cfg: SimConfig, request: RingRequest, seq_len: int, kernel
     q, k, v, dout = random_inputs(cfg, seq_len, gen)
     one = LocalRing(1, copy=False).transports[0]
     out, lse = run_local([autograd.forward_steps(q, k, v, plan, one)])[0]
-    fwd = time_reference(bar, lambda: run_local([autograd.forward_steps(q, k, v, plan, one)]), cfg, CLOCK)
+    clock = clock_for(cfg.device, cfg.threads)
+    fwd = time_reference(bar, lambda: run_local([autograd.forward_steps(q, k, v, plan, one)]), cfg, clock)
     bwd = time_reference(bar, lambda: run_local([autograd.backward_steps(dout, q, k, v, out, lse, plan, one)]),
-                         cfg, CLOCK)
+                         cfg, clock)
     return {"forward": fwd, "backward": bwd, "fwd+bwd": fwd + bwd}
 
 
