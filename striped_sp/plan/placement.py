@@ -30,8 +30,9 @@ import numbers
 import torch
 
 from . import doc_stripes
+from .cost import CostModel, default_model, model_named
 
-__all__ = ["CostModel", "COST_MODELS", "BALANCE_SLACK", "check_placement", "check_stripe_size", "placed_runs",
+__all__ = ["BALANCE_SLACK", "check_placement", "check_stripe_size", "placed_runs",
            "choose_whole_max", "predict", "describe"]
 
 #: ``"auto"`` keeps documents whole only where the critical path stays within 1% of ideal (entries)
@@ -39,35 +40,6 @@ BALANCE_SLACK = 0.01
 #: ``"auto"`` leaves ``"split"`` only for a predicted gain of at least 1% (at N=2 on the web mix a
 #: 0.6% predicted gain cut a document and measured 7-12% slower: docs/tuning.md, "Whole-document placement")
 MIN_GAIN = 0.01
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Predicted time of one attention kernel call (forward, per head), in nanoseconds:
-    ``ns_per_entry * entries * (1 + small_rows / rows) + call_ns``, where a causal call of ``m``
-    rows computes ``m * min(m, m / 2 + causal_waste)`` entries (the kernel skips masked keys only
-    in tiles, wasting about ``causal_waste`` entries per row on the diagonal)."""
-
-    name: str
-    ns_per_entry: float
-    small_rows: float
-    causal_waste: float
-    call_ns: float
-    measured: bool
-
-    def call(self, rows: float, keys: float, causal: bool) -> float:
-        if rows <= 0 or keys <= 0:
-            return 0.0
-        entries = rows * min(keys, rows / 2 + self.causal_waste) if causal else rows * keys
-        return self.ns_per_entry * entries * (1 + self.small_rows / rows) + self.call_ns
-
-
-COST_MODELS = {
-    # measured here: PyTorch's CPU flash op, fp32, head_dim 64, one thread (docs/tuning.md, "Whole-document placement")
-    "cpu": CostModel("cpu", 3.9, 60.0, 256.0, 20_000.0, True),
-    # a prediction, not a measurement: flash-attn 2/3 style tiles of 128 rows on a GPU
-    "flash_attn": CostModel("flash_attn", 0.01, 128.0, 64.0, 5_000.0, False),
-}
 
 
 def check_placement(doc_placement):
@@ -239,12 +211,12 @@ def _piece(length: int, world_size: int, stripe: int) -> float:
     return length / world_size if stripe == 1 else min(stripe, length)
 
 
-def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str = "cpu") -> dict:
+def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str | None = None) -> dict:
     """The model's view of a placement: ``balance`` (critical path over ideal in score entries:
     the slowest rank's whole documents plus an even share of the striped ones, over an even share
     of all) and ``ms``, its forward critical path per head in milliseconds (whole documents cost one
     causal call each on their rank; a striped document one piece per rank and ring step)."""
-    model = COST_MODELS[model] if isinstance(model, str) else model
+    model = model_named(model)
     bounds = tuple(bounds)
     if stripe == "doc":
         return _predict_doc(bounds, world_size, whole_max, model)
@@ -282,7 +254,7 @@ def _predict_doc(bounds: tuple, world_size: int, whole_max: int, model: CostMode
     return {"balance": balance, "ms": float(cost.max(1).values.sum()) / 1e6}
 
 
-def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel | str = "cpu") -> int:
+def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel | str | None = None) -> int:
     """``doc_placement="auto"``: the longest-whole-document length (among powers of two up to the
     tokens per rank, and 0) with the smallest predicted time (:func:`predict`) among those that stay
     balanced (within :data:`BALANCE_SLACK` of ideal in score entries); infeasible ones skipped.  A
@@ -315,7 +287,7 @@ def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel 
     return best[1]
 
 
-def describe(bounds, world_size: int, stripe: int, doc_placement, model: CostModel | str = "cpu") -> dict:
+def describe(bounds, world_size: int, stripe: int, doc_placement, model: CostModel | str | None = None) -> dict:
     """What a striped layout does with a packed row, for reports: ``whole_max`` (the longest
     whole document allowed; 0: none), ``whole_documents`` / ``documents``, the model's ``balance``
     and ``predicted_forward_ms`` per head (:func:`predict`)."""
@@ -331,8 +303,10 @@ def describe(bounds, world_size: int, stripe: int, doc_placement, model: CostMod
         kept = sum(1 for t in tables for _, first, count, step in t.tolist()
                    if step == 1 and first in starts and count == bounds[bounds.index(first) + 1] - first)
     pred = predict(bounds, world_size, stripe, whole_max, model)
+    model = model_named(model)
     return {"whole_max": whole_max, "whole_documents": kept, "documents": len(bounds) - 1,
-            "balance": pred["balance"], "predicted_forward_ms": pred["ms"]}
+            "balance": pred["balance"], "predicted_forward_ms": pred["ms"],
+            "cost_model": model.name + ("" if model.measured else " (a prediction)")}
 
 
 @functools.lru_cache(maxsize=64)
@@ -343,7 +317,7 @@ def placed_runs(bounds: tuple, world_size: int, stripe: int, doc_placement) -> l
     if doc_placement == "split":
         whole_max = 0
     elif doc_placement == "auto":
-        whole_max = choose_whole_max(bounds, world_size, stripe)
+        whole_max = choose_whole_max(bounds, world_size, stripe, default_model())
     else:
         whole_max = doc_placement
     if stripe == "doc":

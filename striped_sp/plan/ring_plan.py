@@ -14,7 +14,10 @@ does no planning, no host<->device copy and no synchronisation:
 * ``shared``: per rank, the leading rows the ring carries (``None``: all of them);
 * ``fmt``: the tensor format of the forward (the kernel's own for dense plans, ``"bshd"`` masked);
   ``aligned``: the striped strict block in its aligned form;
-* ``entries[t]``: visible score entries of step ``t`` per batch row and head (the predicted work).
+* ``entries[t]``: visible score entries of step ``t`` per batch row and head (the work);
+  ``predicted_ms[t]``: its forward time per head on the kernel's cost model
+  (:func:`striped_sp.plan.cost.model_for_kernel`; ``cost_model`` names it, and says when it is a
+  prediction rather than a measurement).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 import torch
 
 from ..kernels.varlen import Arena, compile_call
+from .cost import model_for_kernel
 from .masks import MaskSpec, ring_plans, shared_rows
 
 __all__ = ["RingPlan", "HostPlan", "build_host_plan", "compile_plan", "build_ring_plan"]
@@ -46,6 +50,8 @@ class RingPlan:
     masked: bool
     programs: tuple | None = None
     arena: Arena | None = None
+    predicted_ms: tuple = ()
+    cost_model: str = ""
 
     def launches(self, step: int) -> int:
         """Kernel calls of ``step`` per forward (the same per backward)."""
@@ -91,23 +97,43 @@ def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
     return HostPlan(world_size, rank, n, steps, calls, shared, entries, causal, masked=True)
 
 
+def _predicted_ms(host: HostPlan, model) -> tuple:
+    """Per step, the model's forward time per head of the step's calls, in milliseconds."""
+    out = []
+    for step in host.calls:
+        if not host.masked:
+            n = host.local_len
+            out.append(sum(model.call(c.q_len(n), c.kv_len(n), c.causal) for c in step) / 1e6)
+            continue
+        ns = 0.0
+        for c in step:
+            segs = c.segments
+            causal = (segs.wl < 0) & (segs.wr == 0) & (segs.lq == segs.lk)
+            ns += model.calls(segs.lq, segs.lk, causal)
+        out.append(ns / 1e6)
+    return tuple(out)
+
+
 def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtype = torch.float32,
                  strict_block: str = "sliced", device="cpu", dtype=torch.float32, head_dim: int | None = None,
                  batch: int = 1) -> RingPlan:
     """``host`` compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim`` and ``batch`` rows:
     masked plans get their programs, placed on the device with one copy."""
+    device = torch.device(device)
+    model = model_for_kernel(kernel.name, device.type)
+    cost = dict(predicted_ms=_predicted_ms(host, model),
+                cost_model=model.name + ("" if model.measured else " (a prediction)"))
     if not host.masked:
         return RingPlan(host.world_size, host.rank, host.local_len, host.steps, host.calls, None,
                         kernel.tensor_format, strict_block == "aligned", host.entries, kernel, scale, comm_dtype,
-                        masked=False)
+                        masked=False, **cost)
     arena = Arena()
-    device = torch.device(device)
     n = host.local_len
     programs = tuple(tuple(compile_call(kernel, c.segments, batch, n, n, device, dtype, head_dim, arena) for c in step)
                      for step in host.calls)
     arena.place(device)
     return RingPlan(host.world_size, host.rank, n, host.steps, host.calls, host.shared, "bshd", False, host.entries,
-                    kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena)
+                    kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena, **cost)
 
 
 def build_ring_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *,

@@ -175,6 +175,9 @@ def test_layers_of_a_batch_share_one_plan():
     kernel = KERNELS["torch"]
     plans = {id(plan_for(request.layout, mask, True, 8, 3, 32, kernel=kernel, scale=0.125)) for _ in range(5)}
     assert len(plans) == 1 and PLANS.builds == 2  # the host plan and its compilation, once
+    plan = plan_for(request.layout, mask, True, 8, 3, 32, kernel=kernel, scale=0.125)
+    assert len(plan.predicted_ms) == plan.steps and all(ms > 0 for ms in plan.predicted_ms[:1])
+    assert plan.cost_model == "cpu"  # PyTorch's CPU op: the measured model
 
 
 def test_plans_prepared_ahead_are_the_layers_plans():

@@ -26,3 +26,27 @@ def test_entries_equal_the_dense_mask():
     cu = torch.tensor([0, 5, 9, 16])
     segs = Segments(cu, torch.tensor([0, 7, 9, 20]), torch.tensor([-1, 2, 0]), torch.tensor([0, -1, 3]))
     assert segs.entries() == int(segs.dense_mask().sum())
+
+
+def test_cost_models_by_kernel_and_device():
+    from striped_sp.plan.cost import COST_MODELS, default_model, model_for_kernel, model_named
+
+    assert model_for_kernel("torch", "cpu") is COST_MODELS["cpu"] and COST_MODELS["cpu"].measured
+    assert model_for_kernel("flash_attn", "cuda") is COST_MODELS["flash_attn"] and not COST_MODELS["flash_attn"].measured
+    assert default_model() is model_for_kernel("auto", "cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="unknown cost model 'tpu'"):
+        model_named("tpu")
+    model = COST_MODELS["cpu"]
+    rows, keys = torch.tensor([0, 3, 64, 300]), torch.tensor([5, 3, 128, 300])
+    causal = torch.tensor([False, True, False, True])
+    want = sum(model.call(r, k, c) for r, k, c in zip(rows.tolist(), keys.tolist(), causal.tolist()))
+    assert abs(model.calls(rows, keys, causal) - want) < 1e-6 * want
+
+
+def test_calibrated_model_is_measured_and_orders_calls_by_size():
+    from striped_sp.kernels import KERNELS
+    from striped_sp.plan.cost import calibrate
+
+    model = calibrate(KERNELS["torch"], "cpu", sizes=(64, 256), reps=1)
+    assert model.measured and model.ns_per_entry > 0
+    assert model.call(256, 256, False) > model.call(64, 64, False)
