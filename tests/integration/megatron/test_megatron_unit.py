@@ -142,7 +142,7 @@ def test_core_attention_honours_backend_determinism_and_fp8_flags():
     assert sm.ContextParallelAttention(_config(deterministic_mode=True), **kw).deterministic
     cfg = _config()
     cfg.fp8_dot_product_attention = True  # TransformerConfig itself needs TE for FP8
-    with pytest.raises(ValueError, match="--fp8-dot-product-attention"):
+    with pytest.raises(ValueError, match="fp8_dot_product_attention=False"):
         sm.ContextParallelAttention(cfg, **kw)
 
 
