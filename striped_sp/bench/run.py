@@ -26,20 +26,17 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import queue
-import tempfile
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ..engine.request import ring_attention
 from ..kernels import resolve_kernel
 from ..plan.layouts import get_layout
-from .common import median, pick_dtype, progress, sync
+from .common import median, pick_dtype, progress, spawn_ranks, sync
 from .docs import workload
 from .memory import MemoryPeak, tensor_bytes
 from .mixed import check_global_every
@@ -319,30 +316,7 @@ def run(cfg: RunConfig):
         check_global_every(list(cfg.global_every), cfg.window)
         if cfg.ulysses_sizes or cfg.profile:
             raise ValueError("global_every (--global-every) combines with neither ulysses_sizes nor profile")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "pg_init")
-        procs = [ctx.Process(target=_worker, args=(r, cfg, device_type, init_file, results), daemon=True)
-                 for r in range(cfg.world_size)]
-        for p in procs:
-            p.start()
-        got, errors = {}, []
-        try:
-            while len(got) + len(errors) < cfg.world_size:
-                status, rank, payload = results.get(timeout=cfg.timeout_s)
-                (got.__setitem__(rank, payload) if status == "ok" else errors.append(f"rank {rank}: {payload}"))
-                if errors:
-                    break
-        except queue.Empty:
-            errors.append(f"no result within {cfg.timeout_s}s")
-        finally:
-            for p in procs:
-                p.join(timeout=10 if errors else 60)
-                if p.is_alive():
-                    p.kill()
-    if errors:
-        raise RuntimeError("bench run failed:\n" + "\n".join(errors))
+    got = spawn_ranks(_worker, (cfg, device_type), cfg.world_size, cfg.timeout_s, "bench run")
     records, notes, _ = got[0]
     for r in records:  # the placement each striped layout with parameters chose, and its prediction
         if r["impl"].split(GLOBAL_SUFFIX)[0] in cfg.layouts:
