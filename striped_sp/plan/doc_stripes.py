@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .solver import assign_greedy
+
 __all__ = ["TOKEN_SLACK", "place", "step_entries", "step_cost"]
 
 #: a rank's whole documents may exceed an even share of the whole tokens by this fraction of S/N
@@ -64,22 +66,11 @@ def _entries(length: int) -> int:
 
 
 def _assign_whole(lengths: list[int], whole: list[int], local: int, n_ranks: int):
-    """Whole documents, most entries first, each to the rank with the fewest entries whose whole
-    tokens stay within the even share plus :data:`TOKEN_SLACK`; ``(per-rank docs, unfit docs)``."""
+    """Whole documents by :func:`~striped_sp.plan.solver.assign_greedy`, each rank's whole tokens
+    within the even share plus :data:`TOKEN_SLACK`; ``(per-rank docs, unfit docs)``."""
     share = sum(lengths[d] for d in whole) / n_ranks
     cap = min(local, int(share + TOKEN_SLACK * local))
-    tokens, work = [0] * n_ranks, [0] * n_ranks
-    kept: list[list[int]] = [[] for _ in range(n_ranks)]
-    unfit = []
-    for d in sorted(whole, key=lambda d: (-lengths[d], d)):
-        fits = [r for r in range(n_ranks) if tokens[r] + lengths[d] <= cap]
-        if not fits:
-            unfit.append(d)
-            continue
-        r = min(fits, key=lambda r: (work[r], tokens[r], r))
-        kept[r].append(d)
-        tokens[r] += lengths[d]
-        work[r] += _entries(lengths[d])
+    kept, unfit, _ = assign_greedy(lengths, whole, [cap] * n_ranks)
     return kept, unfit
 
 

@@ -31,6 +31,7 @@ import torch
 
 from . import doc_stripes
 from .cost import CostModel, default_model, model_named
+from .solver import assign_greedy
 
 __all__ = ["BALANCE_SLACK", "check_placement", "check_stripe_size", "placed_runs",
            "choose_whole_max", "predict", "describe"]
@@ -94,29 +95,19 @@ def _entries(length: int) -> int:
 
 
 def _assign_whole(bounds, whole: list[int], capacity: list[int], cut_max: int):
-    """Greedy: most score entries first, each to the rank with the fewest entries that has room.
-    A document that fits nowhere whole is cut into contiguous pieces over the ranks with the most
-    room if it has at most ``cut_max`` tokens (its cross-rank blocks stay small); longer ones are
-    returned as ``unfit``.  Returns per rank ``[(first_position, count)]`` (cut pieces first), the
-    entries per rank and the unfit documents."""
+    """Whole documents by :func:`~striped_sp.plan.solver.assign_greedy`.  A document that fits
+    nowhere whole is cut into contiguous pieces over the ranks with the most room if it has at
+    most ``cut_max`` tokens (its cross-rank blocks stay small); longer ones are returned as
+    ``unfit``.  Returns per rank ``[(first_position, count)]`` (cut pieces first), the entries per
+    rank and the unfit documents."""
     n = len(capacity)
+    lengths = {d: bounds[d + 1] - bounds[d] for d in whole}
     room = list(capacity)
-    work = [0] * n
+    kept_docs, left, work = assign_greedy(lengths, whole, room)
+    kept = [[(bounds[d], lengths[d]) for d in docs] for docs in kept_docs]
+    small = [d for d in left if lengths[d] <= cut_max]
+    unfit = [d for d in left if lengths[d] > cut_max]
     cut = [[] for _ in range(n)]
-    kept = [[] for _ in range(n)]
-    unfit, small = [], []
-    for d in sorted(whole, key=lambda d: (-(bounds[d + 1] - bounds[d]), d)):
-        length = bounds[d + 1] - bounds[d]
-        fits = [r for r in range(n) if room[r] >= length]
-        if fits:
-            r = min(fits, key=lambda r: (work[r], r))
-            kept[r].append((bounds[d], length))
-            room[r] -= length
-            work[r] += _entries(length)
-        elif length <= cut_max:
-            small.append(d)
-        else:
-            unfit.append(d)
     for d in small:
         pos = bounds[d]
         for r in sorted(range(n), key=lambda r: (-room[r], r)):
