@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import os
 import time
 import traceback
 
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 from ..engine.request import ring_attention
 from ..kernels import resolve_kernel
 from ..plan.layouts import get_layout
-from .common import median, pick_dtype, progress, spawn_ranks, sync
+from .common import init_rank, median, pick_dtype, progress, spawn_ranks, sync
 from .docs import workload
 from .memory import MemoryPeak, tensor_bytes
 from .mixed import check_global_every
@@ -100,21 +98,7 @@ def _worker(rank, cfg: RunConfig, device_type, init_file, results):
 
 def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
     n_ranks = cfg.world_size
-    if device_type == "cpu":
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // n_ranks)
-        torch.set_num_threads(threads)
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if cfg.pin and len(cores) >= n_ranks * threads:
-            # one rank per core(s): no migrations between the ranks' compute threads
-            os.sched_setaffinity(0, cores[rank * threads:(rank + 1) * threads])
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        device, backend = torch.device("cpu"), "gloo"
-    else:
-        torch.cuda.set_device(rank)
-        device, backend = torch.device("cuda", rank), "nccl"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=n_ranks,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                            **({"device_id": device} if device_type == "cuda" else {}))
+    device = init_rank(rank, n_ranks, device_type, init_file, cfg.timeout_s, cfg.threads, cfg.pin)
     group = dist.group.WORLD
     dtype = pick_dtype(cfg.dtype, device)
     kvh = cfg.kv_heads or cfg.heads
