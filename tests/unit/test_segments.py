@@ -50,3 +50,20 @@ def test_calibrated_model_is_measured_and_orders_calls_by_size():
     model = calibrate(KERNELS["torch"], "cpu", sizes=(64, 256), reps=1)
     assert model.measured and model.ns_per_entry > 0
     assert model.call(256, 256, False) > model.call(64, 64, False)
+
+
+def test_arena_places_every_tensor_with_one_copy():
+    """The packing a device placement runs (one buffer, 8-byte aligned views), checked by value."""
+    from striped_sp.kernels.varlen import Arena
+
+    gen = torch.Generator().manual_seed(seed_for("arena"))
+    tensors = [torch.randint(-2**40, 2**40, (13,), generator=gen), torch.randint(0, 9, (3, 5), generator=gen).int(),
+               torch.rand(2, 1, 3, 7, generator=gen) > 0.5, torch.zeros(0, dtype=torch.int64),
+               torch.randint(0, 100, (5,), generator=gen).int()]
+    arena = Arena()
+    slots = [arena.add(t) for t in tensors]
+    arena.place("cpu", force=True)
+    assert arena.copies == 1
+    for slot, t in zip(slots, tensors):
+        assert slot.t.dtype == t.dtype and torch.equal(slot.t, t)
+        assert slot.t.numel() == 0 or slot.t.data_ptr() != t.data_ptr()  # a view of the one placed buffer

@@ -128,3 +128,19 @@ def test_packed_errors(change, words):
         shard_batch(batch, 2, 0, "striped")
     for w in words:
         assert w in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag", "striped:stripe=doc"])
+def test_shard_batch_builds_the_plan_the_attention_layers_use(layout):
+    from striped_sp import RingRequest
+    from striped_sp.engine.plans import PLANS, host_plan_for
+
+    PLANS.clear()
+    n, rank = 2, 1
+    part = shard_batch(_flattened(), n, rank, layout)
+    assert PLANS.builds == 1  # this rank's host plan, built where the batch is made
+    # what the HF attention asks for in every layer: the batch's cu_seq_lens on the request's layout
+    request = RingRequest(None, layout=layout).derive(cu_seqlens=part["cu_seq_lens_q"])
+    local = part["input_ids"].size(1)
+    host_plan_for(request.layout, request._mask(local, n), True, n, rank, local)
+    assert PLANS.builds == 1  # found, not built again
