@@ -50,8 +50,10 @@ def as_bounds(cu_seqlens) -> tuple[int, ...]:
                              "(document boundaries [0, l1, l1+l2, ..., S] of the global packed row)")
         if cu_seqlens.dtype not in _INT_DTYPES:
             raise ValueError(f"cu_seqlens has dtype {cu_seqlens.dtype}: it must be an integer tensor")
-        bounds = tuple(int(x) for x in cu_seqlens.tolist())
+        bounds = tuple(cu_seqlens.tolist())
     elif isinstance(cu_seqlens, (list, tuple)):
+        if set(map(type, cu_seqlens)) <= {int}:  # plain ints (the adapters' tuples): no Python-level loop
+            return cu_seqlens if isinstance(cu_seqlens, tuple) else tuple(cu_seqlens)
         if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens):
             raise ValueError(f"cu_seqlens={list(cu_seqlens)[:8]}...: every boundary must be an int")
         bounds = tuple(int(x) for x in cu_seqlens)
