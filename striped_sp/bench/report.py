@@ -12,20 +12,23 @@ __all__ = ["format_table", "write_json", "check_plotting", "plot_speedup", "plot
 
 def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int) -> dict:
     """For a striped layout with a stripe size or a document placement, the fields every bench
-    mode adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.plan.placement.describe`),
+    mode adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.plan.search.describe`),
     ``plan_balance`` (the model's critical path over ideal) and ``predicted_forward_ms`` (the cost
     model ``"cpu"``: forward critical path of all ``heads``; ``None`` for a windowed row, since the
-    model knows documents, not windows).  ``{}`` for every other layout."""
+    model knows documents, not windows) and ``predicted_ms`` (forward+backward, the ring included:
+    what ``stripe_size="auto"`` ranks plans by).  ``{}`` for every other layout."""
     from ..plan.layouts import get_layout
-    from ..plan.placement import describe
+    from ..plan.search import describe
 
     lay = get_layout(layout)
     if lay.name != "striped" or lay.key == "striped":
         return {}
     d = describe(tuple(bounds), world_size, lay.stripe_size, lay.doc_placement)
-    return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}",
+    chosen = f"; stripe_size {d['stripe_size']}, {d['steps']} ring steps" if lay.stripe_size == "auto" else ""
+    return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}{chosen}",
             "plan_balance": d["balance"],
-            "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * heads}
+            "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * heads,
+            "predicted_ms": None if windowed else d["predicted_ms"] * heads}
 
 
 def plan_lines(recs: Sequence[dict], measured_key: str | None, measured_what: str) -> list[str]:
@@ -37,7 +40,8 @@ def plan_lines(recs: Sequence[dict], measured_key: str | None, measured_what: st
             continue
         pred = r.get("predicted_forward_ms")
         pred = ("not predicted (the cost model knows no windows)" if pred is None
-                else f"predicted {pred:.1f} ms (cost model 'cpu', balance {r['plan_balance']:.4f})")
+                else f"predicted {pred:.1f} ms, fwd+bwd {r.get('predicted_ms') or 0:.1f} ms (cost model 'cpu', "
+                     f"balance {r['plan_balance']:.4f})")
         who = r.get("layout", r.get("impl"))
         meas = "" if measured_key is None or r.get(measured_key) is None else \
             f"; measured {measured_what} {r[measured_key]:.1f} ms"

@@ -38,7 +38,7 @@ def setup(cfg, device: torch.device) -> None:
 
 def resolve_auto(cfg, row: TrainRow) -> str:
     """The layout key of ``--striped-stripe-size auto`` for this row and model
-    (:func:`striped_sp.megatron.algo_of`: per-document stripes on packed rows, stripes of W/8 for a
+    (:func:`striped_sp.megatron.algo_of`: the per-batch search on packed rows, stripes of W/8 for a
     window model, else token by token)."""
     import argparse
 

@@ -115,28 +115,35 @@ def _loader_like(data_loader, settings: ContextParallelSettings, groups, shuffle
                            pin_memory=data_loader.pin_memory)
 
 
-def _drop_auto_values(config: dict) -> None:
+def _drop_auto_values(config: dict) -> dict:
     """accelerate takes every ``"auto"`` string in the DeepSpeed config as a value for it to fill in,
-    and refuses ``context_parallel.backend: "auto"``; ours means the default, so drop those keys."""
+    and refuses ``context_parallel.backend: "auto"``: drop those keys from the config accelerate
+    sees, and return them, for :func:`_deepspeed_initialize_is_ours` to hand back to our
+    ``initialize`` (``stripe_size`` / ``doc_placement`` ``"auto"`` are choices, not defaults)."""
     from .config import SECTION
 
     section = config.get(SECTION)
-    if isinstance(section, dict):
-        config[SECTION] = {k: v for k, v in section.items() if v != "auto"}
+    if not isinstance(section, dict):
+        return {}
+    config[SECTION] = {k: v for k, v in section.items() if v != "auto"}
+    return {k: v for k, v in section.items() if v == "auto"}
 
 
 @contextlib.contextmanager
-def _deepspeed_initialize_is_ours():
+def _deepspeed_initialize_is_ours(autos: dict):
     """Inside: ``deepspeed.initialize`` is :func:`striped_sp.deepspeed.initialize` (accelerate looks
-    it up at call time), dropping accelerate's ``train_batch_size`` under SP."""
+    it up at call time), dropping accelerate's ``train_batch_size`` under SP and putting back the
+    section's ``"auto"`` values (``autos``) that accelerate was not shown."""
     import deepspeed
 
+    from .config import SECTION
     from .initialize import initialize
 
     def ours(*args, **kwargs):
         cfg = kwargs.get("config_params", kwargs.get("config"))
         if isinstance(cfg, dict) and parse_config(cfg).enabled:
             cfg = {k: v for k, v in cfg.items() if k != "train_batch_size"}
+            cfg[SECTION] = {**cfg.get(SECTION, {}), **autos}
             kwargs["config_params" if "config_params" in kwargs else "config"] = cfg
         deepspeed.initialize = original  # ours calls DeepSpeed's
         return initialize(*args, **kwargs)
@@ -163,7 +170,7 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
     cfg = deepspeed_config_of(accelerator) if config is None else config
     settings = parse_config(cfg, world_size=accelerator.num_processes)
     _check_accelerator(accelerator, settings)
-    _drop_auto_values(deepspeed_config_of(accelerator))
+    autos = _drop_auto_values(deepspeed_config_of(accelerator))
     if getattr(accelerator, "_striped_sp", None) is not None:
         return accelerator._striped_sp
     accelerator._striped_sp = settings
@@ -190,7 +197,7 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
         return loader
 
     def _prepare_deepspeed(self, *args):
-        with _deepspeed_initialize_is_ours():
+        with _deepspeed_initialize_is_ours(autos):
             return prepare_deepspeed(*args)
 
     accelerator.prepare_data_loader = types.MethodType(prepare_data_loader, accelerator)

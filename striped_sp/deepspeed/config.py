@@ -5,7 +5,8 @@
                                                     "stripe_size": 1, "doc_placement": "split"}}
 ```
 
-``stripe_size`` (int >= 1, or ``"doc"``: per-document stripes) and ``doc_placement`` (``"split"``, ``"auto"`` or the longest document, an
+``stripe_size`` (int >= 1, ``"doc"``: per-document stripes, or ``"auto"``: per batch the plan the
+cost model predicts fastest, :mod:`striped_sp.plan.search`) and ``doc_placement`` (``"split"``, ``"auto"`` or the longest document, an
 int >= 1, kept whole on one rank) are the striped layout's parameters
 (:class:`striped_sp.plan.layouts.Striped`), for ``algo="striped"`` only; ``layout`` is then one key such
 as ``"striped:stripe=4,place=auto"`` that the data loader, the HF attention and
@@ -181,7 +182,6 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
     bad_keys = [k for k in section if not isinstance(k, str)]
     if bad_keys:
         raise ValueError(f"{SECTION}: keys must be strings, got {bad_keys!r}")
-    placement = _doc_placement(section)
     try:
         model = _model_class()(**{k: v for k, v in section.items() if k not in ("doc_placement", "stripe_size")})
     except pydantic.ValidationError as err:
@@ -191,7 +191,9 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
         raise ValueError(f"{SECTION}.ulysses_size={u} must divide sequence_parallel_size={sp} "
                          "(Ulysses groups of ulysses_size ranks, a ring across them)")
     stripe = _striped_value(section, "stripe_size", 1, check_stripe_size,
-                            "a positive integer or 'doc' (per document: 2N stripes dealt to ranks 0..N-1, then back)")
+                            "a positive integer, 'doc' (per document: 2N stripes dealt to ranks 0..N-1, then back) "
+                            "or 'auto' (per batch, the plan the cost model predicts fastest)")
+    placement = _doc_placement(section, "auto" if stripe == "auto" else "split")
     _check_striped_keys(model.algo, stripe, placement)
     return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
                                    ulysses_size=u, timeout_s=model.timeout_s, stripe_size=stripe,
@@ -207,15 +209,17 @@ def _striped_value(section: Mapping, key: str, default, check, rule: str):
         raise ValueError(f"{SECTION}.{key}={value!r} must be {rule}") from None
 
 
-def _doc_placement(section: Mapping):
-    """``doc_placement``: ``"split"``, ``"auto"`` or an int >= 1 (a JSON number, not a string)."""
-    return _striped_value(section, "doc_placement", "split", check_placement,
+def _doc_placement(section: Mapping, default: str = "split"):
+    """``doc_placement``: ``"split"``, ``"auto"`` or an int >= 1 (a JSON number, not a string);
+    ``default`` when absent (``"auto"`` under ``stripe_size="auto"``)."""
+    return _striped_value(section, "doc_placement", default, check_placement,
                           "'split', 'auto' or a positive integer (the longest document kept whole on one rank)")
 
 
 def _check_striped_keys(algo: str, stripe_size: int, placement) -> None:
     """``stripe_size`` / ``doc_placement`` are parameters of the striped layout: refused with another algo."""
-    for key, value, default in (("stripe_size", stripe_size, 1), ("doc_placement", placement, "split")):
+    for key, value, default in (("stripe_size", stripe_size, 1),
+                                ("doc_placement", placement, "auto" if stripe_size == "auto" else "split")):
         if value != default and algo != "striped":
             raise ValueError(f"{SECTION}.{key}={value!r} applies to {SECTION}.algo='striped' only, not "
                              f"{algo!r}: drop it or use algo 'striped'")

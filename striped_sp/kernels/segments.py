@@ -60,7 +60,11 @@ class Segments:
 
     def entries(self) -> int:
         """Visible score entries of all segments (per batch row and head)."""
-        return int(_band_entries(self.lq, self.lk, *self.offsets()).sum())
+        return int(self.segment_entries().sum())
+
+    def segment_entries(self) -> torch.Tensor:
+        """Visible score entries of each segment (int64 ``[segments]``), in closed form."""
+        return _band_entries(self.lq, self.lk, *self.offsets())
 
     def dense_mask(self) -> torch.Tensor:
         """Boolean ``[total_q, total_k]`` mask of the call (for references and small calls)."""

@@ -1,7 +1,10 @@
 """Cost models, one per kernel: the predicted time of an attention call, for every ``auto`` choice
 and for a plan's predicted cost.
 
-A model predicts one call's forward time per head from its shape (:class:`CostModel`); the table
+A model predicts one call's forward time per head from its shape (:class:`CostModel`), and a whole
+ring's forward+backward time from its steps (:meth:`CostModel.ring_ns`: compute, the transfer of
+the rows the ring carries, hidden behind compute where it is shorter, and a fixed cost per step);
+the table
 holds PyTorch's CPU flash op (measured) and a tile model for flash kernels on GPUs (a prediction,
 labelled as such wherever it decides).  :func:`default_model` is the model of the kernel a process
 will run: the flash tile model where CUDA is available, else the CPU one; every rank of a job gets
@@ -34,12 +37,48 @@ class CostModel:
     causal_waste: float
     call_ns: float
     measured: bool
+    #: backward time over forward time of the same calls (flash backward recomputes the scores)
+    backward_factor: float = 2.5
+    #: one key/value row's transfer per head (head_dim 64, K and V), in ns: the ring's link
+    transfer_ns_per_row: float = 1.0
+    #: fixed cost of one ring step per head, both passes (launch, wait, accumulator update)
+    step_ns: float = 0.0
 
     def call(self, rows: float, keys: float, causal: bool) -> float:
         if rows <= 0 or keys <= 0:
             return 0.0
         entries = rows * min(keys, rows / 2 + self.causal_waste) if causal else rows * keys
         return self.ns_per_entry * entries * (1 + self.small_rows / rows) + self.call_ns
+
+    def segments_ns(self, segs) -> float:
+        """The summed forward time of a call's band segments
+        (:class:`~striped_sp.kernels.segments.Segments`): the exact visible entries of each, plus
+        ``causal_waste`` per row where the band has a diagonal edge inside the block (tiles skip
+        masked keys only whole)."""
+        lq, lk = segs.lq, segs.lk
+        if lq.numel() == 0:
+            return 0.0
+        lo, hi = segs.offsets()
+        visible = segs.segment_entries().double()
+        rows, keys = lq.double(), lk.double()
+        edged = (lo > -lq) | (hi < lk - 1)
+        area = torch.minimum(rows * keys, visible + torch.where(edged, self.causal_waste * rows, torch.zeros_like(rows)))
+        live = (lq > 0) & (lk > 0) & (visible > 0)
+        safe = torch.clamp(rows, min=1.0)
+        ns = self.ns_per_entry * area * (1 + self.small_rows / safe) + self.call_ns
+        return float(torch.where(live, ns, torch.zeros_like(ns)).sum())
+
+    def ring_ns(self, compute_ns, carried_rows) -> float:
+        """Forward+backward time per head of a ring whose step ``t`` computes ``compute_ns[t]``
+        (forward, on the slowest rank) and then takes the ``carried_rows[t]`` key/value rows of the
+        next step (0 after the last step): a transfer overlaps the step's compute (forward: K/V;
+        backward: K/V and dK/dV, twice the bytes), each step pays :attr:`step_ns`."""
+        total = 0.0
+        for ns, rows in zip(compute_ns, carried_rows):
+            fwd = max(ns, rows * self.transfer_ns_per_row)
+            bwd = max(ns * self.backward_factor, 2 * rows * self.transfer_ns_per_row)
+            total += fwd + bwd + self.step_ns
+        return total
 
     def calls(self, rows: torch.Tensor, keys: torch.Tensor, causal: torch.Tensor) -> float:
         """The summed :meth:`call` of many calls (tensors of rows, keys and causal flags)."""
@@ -53,9 +92,13 @@ class CostModel:
 
 COST_MODELS = {
     # measured here: PyTorch's CPU flash op, fp32, head_dim 64, one thread (docs/tuning.md, "Whole-document placement")
-    "cpu": CostModel("cpu", 3.9, 60.0, 256.0, 20_000.0, True),
-    # a prediction, not a measurement: flash-attn 2/3 style tiles of 128 rows on a GPU
-    "flash_attn": CostModel("flash_attn", 0.01, 128.0, 64.0, 5_000.0, False),
+    # the backward factor fitted on 2 gloo ranks, 4096 tokens each, fwd+bwd of 29 plans (docs/tuning.md,
+    # "Choosing a plan"); transfer: gloo over loopback, ~1.7 GB/s
+    "cpu": CostModel("cpu", 3.9, 60.0, 256.0, 20_000.0, True, backward_factor=3.0, transfer_ns_per_row=300.0,
+                     step_ns=50_000.0),
+    # a prediction, not a measurement: flash-attn 2/3 style tiles of 128 rows on a GPU; NVLink-class link
+    "flash_attn": CostModel("flash_attn", 0.01, 128.0, 64.0, 5_000.0, False, backward_factor=2.5,
+                            transfer_ns_per_row=1.0, step_ns=20_000.0),
 }
 
 
@@ -85,8 +128,8 @@ def calibrate(kernel, device, dtype=torch.float32, head_dim: int = 64, heads: in
               reps: int = 3) -> CostModel:
     """A measured :class:`CostModel` for ``kernel`` on ``device``: full and causal calls of
     ``sizes`` rows timed (median of ``reps``, forward), then ``ns_per_entry`` and ``call_ns`` fitted
-    by least squares on the full calls, ``causal_waste`` from the causal ones; ``small_rows`` is kept
-    from the table's model of that device type."""
+    by least squares on the full calls, ``causal_waste`` from the causal ones; ``small_rows`` and the
+    ring terms (backward factor, transfer, step) are kept from the table's model of that device type."""
     device = torch.device(device)
     base = model_for_kernel(getattr(kernel, "name", ""), device.type)
 
@@ -113,5 +156,5 @@ def calibrate(kernel, device, dtype=torch.float32, head_dim: int = 64, heads: in
     for m in sizes:
         entries = (timed(m, True) - call_ns) / (slope * (1 + base.small_rows / m)) / m  # entries per row
         wastes.append(min(max(entries - m / 2, 0.0), m / 2))
-    return CostModel(f"{getattr(kernel, 'name', 'kernel')}@{device.type}", slope, base.small_rows,
-                     sum(wastes) / len(wastes), call_ns, True)
+    return dataclasses.replace(base, name=f"{getattr(kernel, 'name', 'kernel')}@{device.type}", ns_per_entry=slope,
+                               causal_waste=sum(wastes) / len(wastes), call_ns=call_ns, measured=True)

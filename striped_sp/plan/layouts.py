@@ -248,49 +248,60 @@ class Striped(Layout):
     every ring block is a few large dense rectangles.  ``doc_placement`` (packed rows,
     :mod:`striped_sp.plan.placement`): ``"split"`` stripes every document over all ranks; ``"auto"`` or
     an int ``L`` keeps documents of at most ``L`` tokens (``"auto"``: a length the cost model picks)
-    whole on one rank, dealt by a balancing solver, and stripes the rest."""
+    whole on one rank, dealt by a balancing solver, and stripes the rest.  ``stripe_size="auto"``:
+    on each packed row, the stripe size and placement the cost model predicts fastest
+    (:mod:`striped_sp.plan.search`; ``doc_placement`` then defaults to ``"auto"`` too); a row of one
+    document runs token-by-token stripes."""
 
     name = "striped"
 
-    def __init__(self, stripe_size: int | str = 1, doc_placement="split"):
+    def __init__(self, stripe_size: int | str = 1, doc_placement=None):
         from .placement import check_placement, check_stripe_size
 
         self.stripe_size = check_stripe_size(stripe_size)
+        if doc_placement is None:
+            doc_placement = "auto" if self.stripe_size == "auto" else "split"
         self.doc_placement = check_placement(doc_placement)
         self.placed = self.doc_placement != "split"
         self.per_document = self.stripe_size == "doc"
-        self.places_documents = self.placed or self.per_document
+        # "auto": a packed row runs the plan plan/search.py finds fastest for it (any stripe size,
+        # any placement); a row without documents runs token-by-token stripes
+        self.auto = self.stripe_size == "auto"
+        self.places_documents = self.placed or self.per_document or self.auto
         # whole documents (or per-document stripes) fill each rank up to S/N exactly, so only a
         # plain striped row needs S % (N*s) == 0
-        self.seq_multiple = 1 if self.placed or self.per_document else self.stripe_size
-        self.dense_plans = self.stripe_size == 1
-        self.strict_block = self.stripe_size == 1
+        self.seq_multiple = 1 if self.places_documents else self.stripe_size
+        self.dense_plans = self.stripe_size in (1, "auto")
+        self.strict_block = self.stripe_size in (1, "auto")
 
     @property
     def key(self) -> str:
         params = []
         if self.stripe_size != 1:
             params.append(f"stripe={self.stripe_size}")
-        if self.placed:
-            params.append(f"place={self.doc_placement}")
+        if self.placed != self.auto or (self.placed and self.doc_placement != "auto"):
+            params.append(f"place={self.doc_placement}")  # "auto" stripes place "auto" unless told
         return self.name + (":" + ",".join(params) if params else "")
 
     def stride(self, world_size):
-        return world_size if self.stripe_size == 1 else 1
+        return world_size if self.stripe_size in (1, "auto") else 1
 
     def window_block(self, world_size, local_len, mask=None):
+        if self.auto:  # one document: token-by-token stripes (runs); else the search's plan
+            return 1 if mask is None or len(mask.bounds) <= 2 else None
         return None if self.placed or self.per_document else self.stripe_size
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
-        if self.stripe_size == 1 and (not self.placed or cu_seqlens is None):
+        one_document = cu_seqlens is None or len(cu_seqlens) <= 2
+        if (self.auto and one_document) or (self.stripe_size == 1 and (not self.placed or cu_seqlens is None)):
             return [(0, rank, seq_len // world_size)]
-        from .placement import placed_runs
+        from .search import placed_runs
 
         bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
         return placed_runs(bounds, world_size, self.stripe_size, self.doc_placement)[rank]
 
     def causal_plan(self, rank, source, world_size, local_len):
-        if self.stripe_size != 1:
+        if self.stripe_size not in (1, "auto"):
             raise NotImplementedError("striped with stripe_size > 1 runs the engine's masked plans")
         # Key b of `source` sits at b*N + source, query a of `rank` at a*N + rank.
         if source <= rank:
@@ -304,7 +315,7 @@ class Striped(Layout):
     def flattens_rows(self, local_len):
         # without document placement, and each row a whole number of stripes per rank: stripe g of
         # row i is stripe i * S / s + g of the flat row, on the same rank
-        return not self.placed and not self.per_document and local_len % self.stripe_size == 0
+        return not self.places_documents and local_len % self.stripe_size == 0
 
 
 LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (Striped, Zigzag, Contiguous)}

@@ -288,9 +288,11 @@ def shared_rows(layout, spec: MaskSpec, world_size: int, rank: int) -> int:
     return spec.seq_len // world_size - private
 
 
-def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int) -> list[list[SegmentCall]]:
-    """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``).  Not
-    cached: a batch's :class:`~striped_sp.plan.ring_plan.RingPlan` holds it (the plan cache of
-    :mod:`striped_sp.engine.request` keeps the plans of a few batches)."""
+def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int, steps: int | None = None) -> list[list[SegmentCall]]:
+    """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``), for the
+    first ``steps`` steps (``None``: all ``world_size``).  Not cached: a batch's
+    :class:`~striped_sp.plan.ring_plan.RingPlan` holds it (the plan cache of
+    :mod:`striped_sp.engine.plans` keeps the plans of a few batches)."""
     pieces: dict = {}
-    return [block_plan(layout, spec, world_size, rank, (rank - t) % world_size, pieces) for t in range(world_size)]
+    steps = world_size if steps is None else steps
+    return [block_plan(layout, spec, world_size, rank, (rank - t) % world_size, pieces) for t in range(steps)]

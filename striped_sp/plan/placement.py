@@ -6,7 +6,8 @@ entry than large ones.  A document short enough can instead stay whole on one ra
 attention runs in one piece, at the ring's first step, with no transfer.  This module decides:
 
 * which documents stay whole (``doc_placement``: ``"split"`` none, an int ``L`` those of at most
-  ``L`` tokens, ``"auto"`` the length the cost model predicts fastest, :func:`choose_whole_max`);
+  ``L`` tokens; ``"auto"``: the length the cost model predicts fastest, chosen by
+  :mod:`striped_sp.plan.search`);
 * where each whole document goes: a greedy balancing solver (largest cost first, to the rank with
   the least work that still has room), so that every rank ends with exactly ``S / N`` tokens; a
   document that fits nowhere whole is cut into contiguous pieces on the ranks with room left;
@@ -23,24 +24,15 @@ and the policy, so every rank, the data loader and the ring compute the same pla
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import functools
 import numbers
 
 import torch
 
 from . import doc_stripes
-from .cost import CostModel, default_model, model_named
+from .cost import CostModel, model_named
 from .solver import assign_greedy
 
-__all__ = ["BALANCE_SLACK", "check_placement", "check_stripe_size", "placed_runs",
-           "choose_whole_max", "predict", "describe"]
-
-#: ``"auto"`` keeps documents whole only where the critical path stays within 1% of ideal (entries)
-BALANCE_SLACK = 0.01
-#: ``"auto"`` leaves ``"split"`` only for a predicted gain of at least 1% (at N=2 on the web mix a
-#: 0.6% predicted gain cut a document and measured 7-12% slower: docs/tuning.md, "Whole-document placement")
-MIN_GAIN = 0.01
+__all__ = ["check_placement", "check_stripe_size", "predict"]
 
 
 def check_placement(doc_placement):
@@ -54,13 +46,14 @@ def check_placement(doc_placement):
 
 
 def check_stripe_size(stripe_size):
-    """A positive int, or ``"doc"`` (per-document stripes, :mod:`striped_sp.plan.doc_stripes`); else ``ValueError``."""
-    if stripe_size == "doc" and isinstance(stripe_size, str):
-        return "doc"
+    """A positive int, ``"doc"`` (per-document stripes, :mod:`striped_sp.plan.doc_stripes`) or ``"auto"``
+    (per batch, the fastest plan: :mod:`striped_sp.plan.search`); else ``ValueError``."""
+    if stripe_size in ("doc", "auto") and isinstance(stripe_size, str):
+        return stripe_size
     if isinstance(stripe_size, numbers.Integral) and not isinstance(stripe_size, bool) and stripe_size >= 1:
         return int(stripe_size)
-    raise ValueError(f"stripe_size={stripe_size!r} must be a positive int or 'doc' (per document: 2N stripes "
-                     "dealt to ranks 0..N-1 then N-1..0)")
+    raise ValueError(f"stripe_size={stripe_size!r} must be a positive int, 'doc' (per document: 2N stripes "
+                     "dealt to ranks 0..N-1 then N-1..0) or 'auto' (the fastest plan for each batch)")
 
 
 def _lengths(bounds: tuple) -> list[int]:
@@ -243,74 +236,3 @@ def _predict_doc(bounds: tuple, world_size: int, whole_max: int, model: CostMode
     cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: call(m, m, True),
                                  lambda q, k: call(q, k, False))
     return {"balance": balance, "ms": float(cost.max(1).values.sum()) / 1e6}
-
-
-def choose_whole_max(bounds, world_size: int, stripe: int = 1, model: CostModel | str | None = None) -> int:
-    """``doc_placement="auto"``: the longest-whole-document length (among powers of two up to the
-    tokens per rank, and 0) with the smallest predicted time (:func:`predict`) among those that stay
-    balanced (within :data:`BALANCE_SLACK` of ideal in score entries); infeasible ones skipped.  A
-    length other than 0 must beat ``"split"``'s prediction by :data:`MIN_GAIN` (the model is crude,
-    and a near tie is better left to the layout without cut documents)."""
-    bounds = tuple(bounds)
-    local = bounds[-1] // world_size
-    candidates, c = [0], 16
-    while c < local:
-        candidates.append(c)
-        c *= 2
-    candidates.append(local)
-    best, split_ms = None, None
-    for cand in candidates:
-        try:
-            pred = predict(bounds, world_size, stripe, cand, model)
-        except ValueError:
-            continue
-        t = pred["ms"]
-        if cand == 0:
-            split_ms = t
-        if cand and pred["balance"] > 1 + BALANCE_SLACK:
-            continue
-        if best is None or t < best[0]:
-            best = (t, cand)
-    if best is None:
-        raise ValueError(f"no document placement fills {world_size} ranks evenly with stripe_size={stripe}")
-    if split_ms is not None and best[0] > split_ms * (1 - MIN_GAIN):
-        return 0
-    return best[1]
-
-
-def describe(bounds, world_size: int, stripe: int, doc_placement, model: CostModel | str | None = None) -> dict:
-    """What a striped layout does with a packed row, for reports: ``whole_max`` (the longest
-    whole document allowed; 0: none), ``whole_documents`` / ``documents``, the model's ``balance``
-    and ``predicted_forward_ms`` per head (:func:`predict`)."""
-    bounds = tuple(bounds)
-    whole_max = {"split": 0, "auto": None}.get(doc_placement, doc_placement)
-    if whole_max is None:
-        whole_max = choose_whole_max(bounds, world_size, stripe, model)
-    if stripe == "doc":
-        kept = sum(len(docs) for docs in doc_stripes.place(bounds, world_size, whole_max)[1])
-    else:
-        tables, whole, _, _ = _place(bounds, world_size, stripe, whole_max)
-        starts = {bounds[d] for d in whole}
-        kept = sum(1 for t in tables for _, first, count, step in t.tolist()
-                   if step == 1 and first in starts and count == bounds[bounds.index(first) + 1] - first)
-    pred = predict(bounds, world_size, stripe, whole_max, model)
-    model = model_named(model)
-    return {"whole_max": whole_max, "whole_documents": kept, "documents": len(bounds) - 1,
-            "balance": pred["balance"], "predicted_forward_ms": pred["ms"],
-            "cost_model": model.name + ("" if model.measured else " (a prediction)")}
-
-
-@functools.lru_cache(maxsize=64)
-def placed_runs(bounds: tuple, world_size: int, stripe: int, doc_placement) -> list[torch.Tensor]:
-    """Per rank, the int64 run table ``[runs, 4]`` (local start, first position, count, step) of a
-    packed row with boundaries ``bounds`` (cached).  ``ValueError`` when the stripes cannot fill
-    the ranks evenly."""
-    if doc_placement == "split":
-        whole_max = 0
-    elif doc_placement == "auto":
-        whole_max = choose_whole_max(bounds, world_size, stripe, default_model())
-    else:
-        whole_max = doc_placement
-    if stripe == "doc":
-        return doc_stripes.place(bounds, world_size, whole_max)[0]
-    return _place(bounds, world_size, stripe, whole_max)[0]

@@ -3,7 +3,8 @@
 A plan holds everything the executor (:mod:`striped_sp.engine.autograd`) needs, so that running it
 does no planning, no host<->device copy and no synchronisation:
 
-* ``steps``: how many ring steps carry visible keys (a window cuts the ring short);
+* ``steps``: how many ring steps carry visible keys (a window cuts the ring short; a row whose
+  documents all stay whole on their ranks needs one step and no transfer);
 * ``calls[t]``: the kernel calls of step ``t`` (the block of source rank ``(rank - t) % N``), of one
   call type per plan: :class:`~striped_sp.plan.layouts.BlockCall` slices for the dense ring,
   :class:`~striped_sp.plan.masks.SegmentCall` band segments under documents or windows;
@@ -88,11 +89,13 @@ def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
         entries = tuple(sum(c.score_entries(n) for c in step) for step in calls)
         return HostPlan(world_size, rank, n, world_size, calls, None, entries, causal, masked=False)
     steps = layout.ring_steps(world_size, n, mask)
-    calls = tuple(tuple(step) for step in ring_plans(layout, mask, world_size, rank)[:steps])
     shared = None
     if steps > 1:
         rows = tuple(shared_rows(layout, mask, world_size, r) for r in range(world_size))
         shared = None if all(s == n for s in rows) else rows
+        if not any(rows):  # every document whole on its rank: no rank sees another's keys, no ring
+            steps, shared = 1, None
+    calls = tuple(tuple(step) for step in ring_plans(layout, mask, world_size, rank, steps))
     entries = tuple(sum(c.entries for c in step) for step in calls)
     return HostPlan(world_size, rank, n, steps, calls, shared, entries, causal, masked=True)
 
@@ -105,12 +108,7 @@ def _predicted_ms(host: HostPlan, model) -> tuple:
             n = host.local_len
             out.append(sum(model.call(c.q_len(n), c.kv_len(n), c.causal) for c in step) / 1e6)
             continue
-        ns = 0.0
-        for c in step:
-            segs = c.segments
-            causal = (segs.wl < 0) & (segs.wr == 0) & (segs.lq == segs.lk)
-            ns += model.calls(segs.lq, segs.lk, causal)
-        out.append(ns / 1e6)
+        out.append(sum(model.segments_ns(c.segments) for c in step) / 1e6)
     return tuple(out)
 
 

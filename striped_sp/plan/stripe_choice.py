@@ -5,7 +5,9 @@ are packed documents, and which share of its visible score entries lies in slidi
 (Gemma / Mistral-style models alternate window and global layers).  The rule, from ``bench sim``
 (N=8, 8192 tokens per rank, fwd+bwd, a 2-core CPU; docs/tuning.md, "Stripe size"):
 
-* no window layers: per-document stripes (``"doc"``) on packed rows; on a single-document row the
+* no window layers: on packed rows ``"auto"``, the per-batch search of
+  :mod:`striped_sp.plan.search` (stripe size and whole-document placement by the kernel's cost
+  model; per-document stripes measured fastest of the fixed choices); on a single-document row the
   paper's token-by-token stripes (1), which run the dense causal plans;
 * window layers of ``W`` keys holding at least :data:`WINDOW_SHARE_MIN` of the entries, or any
   window on packed rows: stripes of ``W / 8`` (a power of two, at least :data:`MIN_STRIPE`), so
@@ -44,8 +46,8 @@ def window_share(seq_len: int, window: int | None, window_layers: int, global_la
 
 def choose_stripe_size(seq_len: int, world_size: int, packed: bool, window: int | None = None,
                        window_layers: int = 0, global_layers: int = 1) -> int | str:
-    """The stripe size for ``stripe_size="auto"`` (module docstring): ``"doc"``, 1 or a power of two
-    dividing ``seq_len / world_size`` (when the row is not packed).  ``ValueError`` on a bad count."""
+    """The stripe size for ``stripe_size="auto"`` (module docstring): ``"auto"`` (the per-batch
+    search), 1 or a power of two dividing ``seq_len / world_size`` (when the row is not packed).  ``ValueError`` on a bad count."""
     for name, value in (("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
@@ -54,7 +56,7 @@ def choose_stripe_size(seq_len: int, world_size: int, packed: bool, window: int 
                          "at least one")
     share = window_share(seq_len, window, window_layers, global_layers)
     if window is None or window_layers == 0 or (not packed and share < WINDOW_SHARE_MIN):
-        return "doc" if packed else 1
+        return "auto" if packed else 1
     stripe = MIN_STRIPE
     while stripe * 2 <= window // 8:
         stripe *= 2

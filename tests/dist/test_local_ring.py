@@ -46,6 +46,10 @@ CASES = [  # (N, tokens per rank, request arguments; "docs" = random documents)
     (16, 8, dict(layout="striped", docs=True, ulysses_size=4)),
     (32, 4, dict(layout="zigzag", ulysses_size=2)),
     (64, 2, dict(layout="striped", docs=True, ulysses_size=8)),
+    (16, 8, dict(layout="striped:stripe=auto", docs=True)),
+    (32, 4, dict(layout="striped:stripe=auto", docs=True, window_size=(9, 0))),
+    (16, 6, dict(layout="striped:stripe=auto")),
+    (16, 8, dict(layout="striped:stripe=auto,place=split", docs=True, ulysses_size=4)),
 ]
 
 
@@ -192,3 +196,21 @@ def test_plans_prepared_ahead_are_the_layers_plans():
     assert plan.calls is host.calls and PLANS.builds == 2  # the layer only compiles the prepared plan
     with pytest.raises(ValueError, match="cu_seqlens ends at 256"):
         striped_sp.prepare_plans(512, world_size=8, rank=3, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("layout", ["striped:place=64", "striped:stripe=doc,place=64", "striped:stripe=auto"])
+def test_a_row_of_whole_documents_runs_one_step_and_sends_nothing(layout):
+    """Documents that all stay whole on their ranks: one ring step, no transfer at all, exact."""
+    n, per_rank = 8, 64
+    gen = torch.Generator().manual_seed(seed_for(f"whole-{layout}"))
+    bounds = list(range(0, n * per_rank + 1, 16))  # 32 documents of 16 tokens: 4 per rank, whole
+    h, d = 2, 8
+    q, k, v, do = (torch.randn(1, n * per_rank, h, d, generator=gen, dtype=torch.float64) for _ in range(4))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, True, d ** -0.5, bounds, None)
+    (ref * do).sum().backward()
+    sim = local.simulate(q, k, v, n, do, backend="torch", layout=layout, cu_seqlens=bounds)
+    assert [p.steps for p in sim.plans[0]] == [1] * n
+    assert sim.rings[0].sent_bytes == 0
+    for got, want in ((sim.out, ref), (sim.dq, qr.grad), (sim.dk, kr.grad), (sim.dv, vr.grad)):
+        assert (got - want.detach()).abs().max().item() < 1e-10

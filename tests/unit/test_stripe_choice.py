@@ -17,7 +17,7 @@ def test_window_share_against_a_hand_count():
 
 
 @pytest.mark.parametrize("seq, n, packed, window, wl, gl, expect", [
-    (65536, 8, True, None, 0, 1, "doc"),          # packed, no window: per-document stripes
+    (65536, 8, True, None, 0, 1, "auto"),         # packed, no window: the per-batch search
     (65536, 8, False, None, 0, 1, 1),             # one document, no window: the paper's layout
     (65536, 8, False, 4096, 1, 0, 512),           # all layers windowed: W/8
     (65536, 8, False, 4096, 5, 1, 512),           # one global layer in 6: share 0.38
@@ -54,7 +54,7 @@ def _megatron_args(**kw):
 
 @pytest.mark.parametrize("kw, key", [
     ({}, "striped"),
-    ({"sft": True}, "striped:stripe=doc"),
+    ({"sft": True}, "striped:stripe=auto"),
     ({"window_size": (4096, 0)}, "striped:stripe=512"),
     ({"window_size": (4096, 0), "window_attn_skip_freq": 6}, "striped:stripe=512"),   # 10 of 12 windowed
     ({"window_size": (4096, 0), "window_attn_skip_freq": 2}, "striped"),               # 6 of 12: share 0.11

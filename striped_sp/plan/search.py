@@ -1,0 +1,227 @@
+"""``auto``: the fastest plan the engine can run for a packed row, by the kernel's cost model.
+
+A striped layout on a packed row has two knobs, both plan data: the stripe size (``1``: token by
+token; ``s``: stripes of ``s`` tokens; ``"doc"``: ``2N`` stripes per document) and the longest
+document kept whole on one rank (``whole_max``; ``0``: none; the tokens per rank: every document
+that fits, which for a row of short documents means no ring traffic at all).  :func:`search`
+predicts the forward+backward time of each candidate with :meth:`CostModel.ring_ns
+<striped_sp.plan.cost.CostModel.ring_ns>` (compute on the slowest rank per step, the transfer of the
+rows the ring carries, a fixed cost per step, the steps a row of whole documents skips) and returns
+the fastest, preferring the simpler plan on a near tie (:data:`MIN_GAIN`).
+
+Candidates: ``whole_max`` in 0 and the powers of two from :data:`MIN_WHOLE` up to the tokens per
+rank, for stripes of 1 and ``"doc"``; the powers of two from
+:data:`~striped_sp.plan.stripe_choice.MIN_STRIPE` up to half the tokens per rank as stripe sizes,
+each with ``whole_max`` 0 and the best one of stripes of 1.  Infeasible ones (stripes that cannot
+fill the ranks evenly) are skipped, and so are stripe sizes under which a striped document spans
+fewer than ``N`` stripes (it then falls on a few ranks, unevenly: the model assumes every striped
+document spread over all ranks).  The model knows no windows: under a window the choice is the one
+of the global layers (Megatron's ``--striped-stripe-size auto`` keeps its window rule,
+:mod:`striped_sp.plan.stripe_choice`).  A pure function of the boundaries, ``N`` and the model: every
+rank, the data loader and the ring reach the same choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from . import doc_stripes, placement
+from .cost import CostModel, default_model, model_named
+from .stripe_choice import MIN_STRIPE
+
+__all__ = ["MIN_GAIN", "MIN_WHOLE", "Prediction", "predict_ring", "search", "choose_whole_max", "describe",
+           "placed_runs"]
+
+#: a candidate must beat a simpler one by this share of its time to be chosen (the model is crude:
+#: at N=2 a 0.6% predicted gain once cut a document and measured 7-12% slower)
+MIN_GAIN = 0.01
+#: the shortest ``whole_max`` tried after 0 (shorter documents are too few entries to matter)
+MIN_WHOLE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One candidate plan: ``stripe_size`` and ``whole_max``; ``ms``: predicted forward+backward time
+    per head; ``steps``: ring steps (1: no ring traffic); ``compute_ms`` and ``carried_rows``: per
+    step, the slowest rank's forward compute and the key/value rows then passed on."""
+
+    stripe_size: int | str
+    whole_max: int
+    ms: float
+    steps: int
+    compute_ms: tuple
+    carried_rows: tuple
+
+    @property
+    def layout_params(self) -> dict:
+        return {"stripe_size": self.stripe_size, "doc_placement": self.whole_max or "split"}
+
+
+def _lengths(bounds: tuple) -> list[int]:
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _striped_steps(bounds, world_size, stripe, whole_max, model):
+    """Per-step forward compute (ns) on the slowest rank and the tokens each rank keeps private."""
+    tables, whole, striped, _ = placement._place(bounds, world_size, stripe, whole_max)
+    pieces = placement._whole_pieces(bounds, tables, whole)
+    lengths = _lengths(bounds)
+    if stripe > 1 and any(lengths[d] < stripe * world_size for d in striped):
+        # a document on fewer ranks than N falls unevenly: outside what the model describes
+        raise ValueError(f"stripe_size={stripe}: a striped document is shorter than {stripe * world_size} tokens")
+    whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
+    per_step = 0.0
+    for d in striped:
+        m = placement._piece(lengths[d], world_size, stripe)
+        per_step += model.call(m, m, True) * (lengths[d] / world_size / m) ** 2
+    cross = placement._cross_entries(pieces)  # cut documents: their cross-rank blocks, dense
+    private = [sum(c for d, c in rows if c == lengths[d]) for rows in pieces]
+    ring = bool(striped) or any(c != lengths[d] for rows in pieces for d, c in rows)  # striped or cut
+    compute = [max(whole_ns) + per_step]
+    if ring and world_size > 1:
+        compute += [per_step] * (world_size - 1)
+        compute[1] += cross * model.ns_per_entry
+    return compute, private
+
+
+def _doc_steps(bounds, world_size, whole_max, model):
+    _, kept, split, counts = doc_stripes.place(bounds, world_size, whole_max)
+    lengths = _lengths(bounds)
+    cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: _call(model, m, m, True),
+                                 lambda q, k: _call(model, q, k, False))
+    private = [sum(lengths[d] for d in docs) for docs in kept]
+    compute = cost.max(1).values.tolist()
+    return (compute if split else compute[:1]), private
+
+
+def _call(model: CostModel, rows, keys, causal: bool):
+    import torch
+
+    rows = torch.clamp(rows, min=1e-9)
+    area = rows * torch.minimum(keys, rows / 2 + model.causal_waste) if causal else rows * keys
+    ns = model.ns_per_entry * area * (1 + model.small_rows / rows) + model.call_ns
+    return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
+
+
+def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: CostModel | str | None = None) -> Prediction:
+    """The model's forward+backward time per head of one candidate (``ValueError`` if infeasible)."""
+    model = model_named(model)
+    bounds = tuple(bounds)
+    if stripe_size == "doc":
+        compute, private = _doc_steps(bounds, world_size, whole_max, model)
+    else:
+        compute, private = _striped_steps(bounds, world_size, stripe_size, whole_max, model)
+    local = bounds[-1] // world_size
+    carried = [local - min(private)] * (len(compute) - 1) + [0]
+    ns = model.ring_ns(compute, carried)
+    return Prediction(stripe_size, whole_max, ns / 1e6, len(compute), tuple(c / 1e6 for c in compute), tuple(carried))
+
+
+def _whole_maxes(local: int) -> list[int]:
+    out, c = [0], MIN_WHOLE
+    while c < local:
+        out.append(c)
+        c *= 2
+    return out + [local]
+
+
+def _try(bounds, world_size, stripe, whole_max, model):
+    try:
+        return predict_ring(bounds, world_size, stripe, whole_max, model)
+    except ValueError:
+        return None
+
+
+def search(bounds, world_size: int, model: CostModel | str | None = None, stripe_size="auto",
+           doc_placement="auto") -> tuple[Prediction, list[Prediction]]:
+    """``(chosen, every candidate predicted)`` for a packed row with boundaries ``bounds``.
+
+    ``stripe_size``: ``"auto"`` (every stripe size) or a fixed one; ``doc_placement``: ``"auto"``
+    (every ``whole_max``), ``"split"`` or an int (fixed).  ``ValueError`` when no candidate fits."""
+    model = model_named(model)
+    return _search(tuple(int(b) for b in bounds), world_size, model, stripe_size, doc_placement)
+
+
+@functools.lru_cache(maxsize=16)
+def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_placement):
+    local = bounds[-1] // world_size
+    if doc_placement == "auto":
+        maxes = _whole_maxes(local)
+    else:
+        maxes = [0 if doc_placement == "split" else int(doc_placement)]
+    if stripe_size == "auto":
+        families, sizes = [1, "doc"], []
+        s = MIN_STRIPE
+        while s <= local // 2:
+            sizes.append(s)
+            s *= 2
+    else:
+        families, sizes = [stripe_size], []
+    tried = [p for stripe in families for w in maxes if (p := _try(bounds, world_size, stripe, w, model))]
+    if sizes:
+        ones = [p for p in tried if p.stripe_size == 1]
+        best_one = min(ones, key=lambda p: p.ms).whole_max if ones else 0
+        for s in sizes:
+            for w in sorted({maxes[0], best_one}):
+                if (p := _try(bounds, world_size, s, w, model)):
+                    tried.append(p)
+    if not tried:
+        raise ValueError(f"no striped plan fills {world_size} ranks of {local} tokens evenly for this row "
+                         f"(stripe_size={stripe_size!r}, doc_placement={doc_placement!r})")
+    fastest = min(p.ms for p in tried)
+    # among the near-fastest, the simplest: fewest whole documents, then stripes of 1, "doc", sizes
+    order = {1: 0, "doc": 1}
+    near = [p for p in tried if p.ms <= fastest / (1 - MIN_GAIN)]
+    chosen = min(near, key=lambda p: (p.whole_max, order.get(p.stripe_size, 2), str(p.stripe_size)))
+    return chosen, tried
+
+
+def choose_whole_max(bounds, world_size: int, stripe=1, model: CostModel | str | None = None) -> int:
+    """``doc_placement="auto"`` for a fixed stripe size: the ``whole_max`` :func:`search` picks."""
+    return search(bounds, world_size, model, stripe, "auto")[0].whole_max
+
+
+def _resolve(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel):
+    """``(stripe_size, whole_max)`` that a striped layout with these parameters runs on a packed row."""
+    if stripe == "auto" or doc_placement == "auto":
+        chosen = search(bounds, world_size, model, stripe, doc_placement)[0]
+        return chosen.stripe_size, chosen.whole_max
+    return stripe, 0 if doc_placement == "split" else doc_placement
+
+
+def placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel | None = None) -> list:
+    """Per rank, the int64 run table ``[runs, 4]`` (local start, first position, count, step) of a
+    packed row with boundaries ``bounds`` under a striped layout (``auto`` parameters resolved by
+    :func:`search` with ``model``, default :func:`~striped_sp.plan.cost.default_model`; cached).
+    ``ValueError`` when the stripes cannot fill the ranks evenly."""
+    return _placed_runs(tuple(bounds), world_size, stripe, doc_placement, model_named(model))
+
+
+@functools.lru_cache(maxsize=64)
+def _placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel) -> list:
+    stripe, whole_max = _resolve(bounds, world_size, stripe, doc_placement, model)
+    if stripe == "doc":
+        return doc_stripes.place(bounds, world_size, whole_max)[0]
+    return placement._place(bounds, world_size, stripe, whole_max)[0]
+
+
+def describe(bounds, world_size: int, stripe, doc_placement, model: CostModel | str | None = None) -> dict:
+    """What a striped layout does with a packed row, for reports: ``stripe_size`` and ``whole_max``
+    (the longest whole document allowed; 0: none) as resolved, ``whole_documents`` / ``documents``,
+    the model's ``balance``, ``predicted_forward_ms`` per head (:func:`~striped_sp.plan.placement.predict`)
+    and ``predicted_ms`` forward+backward per head with its ring ``steps`` (:func:`predict_ring`)."""
+    bounds = tuple(int(b) for b in bounds)
+    model = model_named(model)
+    stripe, whole_max = _resolve(bounds, world_size, stripe, doc_placement, model)
+    if stripe == "doc":
+        kept = sum(len(docs) for docs in doc_stripes.place(bounds, world_size, whole_max)[1])
+    else:
+        tables, whole, _, _ = placement._place(bounds, world_size, stripe, whole_max)
+        lengths = _lengths(bounds)
+        kept = sum(1 for rows in placement._whole_pieces(bounds, tables, whole) for d, c in rows if c == lengths[d])
+    pred = placement.predict(bounds, world_size, stripe, whole_max, model)
+    ring = predict_ring(bounds, world_size, stripe, whole_max, model)
+    return {"stripe_size": stripe, "whole_max": whole_max, "whole_documents": kept, "documents": len(bounds) - 1,
+            "balance": pred["balance"], "predicted_forward_ms": pred["ms"], "predicted_ms": ring.ms,
+            "steps": ring.steps, "cost_model": model.name + ("" if model.measured else " (a prediction)")}
