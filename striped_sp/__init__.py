@@ -4,6 +4,7 @@ from .engine.request import RingRequest, prepare_plans, ring_attention, striped_
 from .plan.layouts import LAYOUTS, BlockCall, get_layout, positions, shard, unshard
 from .plan.packing import PaddedDocuments, document_positions, pad_documents
 from .engine.ulysses import ulysses_ring_groups
+from .engine.calibration import calibrate_cost_model
 
 __version__ = "0.1.0"
 
@@ -22,4 +23,5 @@ __all__ = [
     "document_positions",
     "PaddedDocuments",
     "ulysses_ring_groups",
+    "calibrate_cost_model",
 ]

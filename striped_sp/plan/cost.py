@@ -10,8 +10,8 @@ labelled as such wherever it decides).  :func:`default_model` is the model of th
 will run: the flash tile model where CUDA is available, else the CPU one; every rank of a job gets
 the same answer, so placements decided from it agree.  :func:`calibrate` fits a measured model on
 the running device from a few timed calls (opt-in: timings differ slightly between ranks, so a
-calibrated model must be measured once and handed to every rank, e.g. by ``describe(model=)`` or
-``choose_whole_max(model=)``).
+calibrated model is measured on one rank and handed to every rank:
+:func:`striped_sp.engine.calibration.calibrate_cost_model` does both and adopts it, :func:`use_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-__all__ = ["CostModel", "COST_MODELS", "default_model", "model_named", "model_for_kernel", "calibrate"]
+__all__ = ["CostModel", "COST_MODELS", "default_model", "model_named", "model_for_kernel", "calibrate", "use_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +119,24 @@ def model_for_kernel(kernel_name: str, device_type: str) -> CostModel:
     return COST_MODELS["cpu"] if device_type == "cpu" else COST_MODELS["flash_attn"]
 
 
+#: the model every rank adopted with :func:`use_model` (a calibration, measured once and handed to
+#: all ranks: :func:`striped_sp.engine.calibration.calibrate_cost_model`); ``None``: the table's
+_ADOPTED: list = [None]
+
+
+def use_model(model: CostModel | None) -> None:
+    """Make ``model`` the process's :func:`default_model` (``None``: back to the table's).  Every rank
+    must adopt the same model before its first batch, or ranks would place documents differently."""
+    if model is not None and not isinstance(model, CostModel):
+        raise ValueError(f"use_model({model!r}): expected a CostModel or None")
+    _ADOPTED[0] = model
+
+
 def default_model() -> CostModel:
-    """The model of the kernel this process runs by default (``backend="auto"``)."""
+    """The model of the kernel this process runs by default (``backend="auto"``): the adopted one
+    (:func:`use_model`), else the table's for the device."""
+    if _ADOPTED[0] is not None:
+        return _ADOPTED[0]
     return model_for_kernel("auto", "cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -31,7 +31,7 @@ from .cost import CostModel, default_model, model_named
 from .stripe_choice import MIN_STRIPE
 
 __all__ = ["MIN_GAIN", "MIN_WHOLE", "Prediction", "predict_ring", "search", "choose_whole_max", "describe",
-           "placed_runs"]
+           "placed_runs", "placements_made"]
 
 #: a candidate must beat a simpler one by this share of its time to be chosen (the model is crude:
 #: at N=2 a 0.6% predicted gain once cut a document and measured 7-12% slower)
@@ -204,6 +204,11 @@ def _placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: C
     if stripe == "doc":
         return doc_stripes.place(bounds, world_size, whole_max)[0]
     return placement._place(bounds, world_size, stripe, whole_max)[0]
+
+
+def placements_made() -> bool:
+    """Whether any packed row was placed in this process yet (by :func:`placed_runs`)."""
+    return _placed_runs.cache_info().currsize > 0
 
 
 def describe(bounds, world_size: int, stripe, doc_placement, model: CostModel | str | None = None) -> dict:
