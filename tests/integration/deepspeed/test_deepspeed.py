@@ -286,3 +286,38 @@ def test_zero_settings_that_conflict_with_sp_are_refused():
                         ({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}, "mics_shard_size=4")]:
         with pytest.raises(ValueError, match=match):
             check_sequence_parallel_settings(_sp2_config(**over))
+
+
+def test_config_stripe_size_auto_searches_stripes_and_placement():
+    def layout(**section):
+        return parse_config({"sequence_parallel_size": 2, "context_parallel": section}, world_size=2).layout
+
+    assert layout(stripe_size="auto") == "striped:stripe=auto"  # placement searched too
+    assert layout(stripe_size="auto", doc_placement="split") == "striped:stripe=auto,place=split"
+    assert layout(stripe_size="auto", doc_placement=256) == "striped:stripe=auto,place=256"
+    with pytest.raises(ValueError, match="stripe_size='autoo'"):
+        layout(stripe_size="autoo")
+    with pytest.raises(ValueError, match="applies to context_parallel.algo='striped' only"):
+        layout(algo="zigzag", stripe_size="auto")
+
+
+def test_accelerate_gets_our_auto_choices_back_in_initialize(monkeypatch):
+    """accelerate must not see "auto" values in the section, but our initialize must: a dropped
+    stripe_size / doc_placement "auto" would shard the data with one layout and attend with another."""
+    import importlib
+
+    import deepspeed
+
+    from striped_sp.deepspeed import accelerate as acc
+
+    seen = {}
+    module = importlib.import_module("striped_sp.deepspeed.initialize")
+    monkeypatch.setattr(module, "initialize", lambda **kw: seen.update(kw["config"]))
+    config = {"sequence_parallel_size": 2, "train_batch_size": 8,
+              "context_parallel": {"backend": "auto", "stripe_size": "auto", "doc_placement": "auto", "ulysses_size": 1}}
+    autos = acc._drop_auto_values(config)
+    assert config["context_parallel"] == {"ulysses_size": 1}
+    with acc._deepspeed_initialize_is_ours(autos):
+        deepspeed.initialize(config=config)
+    assert seen["context_parallel"] == {"ulysses_size": 1, "backend": "auto", "stripe_size": "auto", "doc_placement": "auto"}
+    assert parse_config(seen, world_size=2).layout == "striped:stripe=auto"
