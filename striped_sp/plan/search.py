@@ -62,12 +62,12 @@ def _lengths(bounds: tuple) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _striped_steps(bounds, world_size, stripe, whole_max, model):
+def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False):
     """Per-step forward compute (ns) on the slowest rank and the tokens each rank keeps private."""
     tables, whole, striped, _ = placement._place(bounds, world_size, stripe, whole_max)
     pieces = placement._whole_pieces(bounds, tables, whole)
     lengths = _lengths(bounds)
-    if stripe > 1 and any(lengths[d] < stripe * world_size for d in striped):
+    if even_only and stripe > 1 and any(lengths[d] < stripe * world_size for d in striped):
         # a document on fewer ranks than N falls unevenly: outside what the model describes
         raise ValueError(f"stripe_size={stripe}: a striped document is shorter than {stripe * world_size} tokens")
     whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
@@ -104,14 +104,16 @@ def _call(model: CostModel, rows, keys, causal: bool):
     return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
 
 
-def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: CostModel | str | None = None) -> Prediction:
-    """The model's forward+backward time per head of one candidate (``ValueError`` if infeasible)."""
+def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: CostModel | str | None = None,
+                 even_only: bool = False) -> Prediction:
+    """The model's forward+backward time per head of one candidate (``ValueError`` if infeasible;
+    ``even_only``: also for a stripe size under which a striped document spans fewer than N stripes)."""
     model = model_named(model)
     bounds = tuple(bounds)
     if stripe_size == "doc":
         compute, private = _doc_steps(bounds, world_size, whole_max, model)
     else:
-        compute, private = _striped_steps(bounds, world_size, stripe_size, whole_max, model)
+        compute, private = _striped_steps(bounds, world_size, stripe_size, whole_max, model, even_only)
     local = bounds[-1] // world_size
     carried = [local - min(private)] * (len(compute) - 1) + [0]
     ns = model.ring_ns(compute, carried)
@@ -126,9 +128,9 @@ def _whole_maxes(local: int) -> list[int]:
     return out + [local]
 
 
-def _try(bounds, world_size, stripe, whole_max, model):
+def _try(bounds, world_size, stripe, whole_max, model, even_only=False):
     try:
-        return predict_ring(bounds, world_size, stripe, whole_max, model)
+        return predict_ring(bounds, world_size, stripe, whole_max, model, even_only)
     except ValueError:
         return None
 
@@ -164,7 +166,7 @@ def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_p
         best_one = min(ones, key=lambda p: p.ms).whole_max if ones else 0
         for s in sizes:
             for w in sorted({maxes[0], best_one}):
-                if (p := _try(bounds, world_size, s, w, model)):
+                if (p := _try(bounds, world_size, s, w, model, even_only=True)):
                     tried.append(p)
     if not tried:
         raise ValueError(f"no striped plan fills {world_size} ranks of {local} tokens evenly for this row "
