@@ -7,7 +7,7 @@ that fits, which for a row of short documents means no ring traffic at all).  :f
 predicts the forward+backward time of each candidate with :meth:`CostModel.ring_ns
 <striped_sp.plan.cost.CostModel.ring_ns>` (compute on the slowest rank per step, the transfer of the
 rows the ring carries, a fixed cost per step, the steps a row of whole documents skips) and returns
-the fastest, preferring the simpler plan on a near tie (:data:`MIN_GAIN`).
+the fastest, preferring the simpler plan on a near tie (:data:`MIN_GAIN`, :func:`preference`).
 
 Candidates: ``whole_max`` in 0 and the powers of two from :data:`MIN_WHOLE` up to the tokens per
 rank, for stripes of 1 and ``"doc"``; the powers of two from
@@ -30,8 +30,8 @@ from . import doc_stripes, placement
 from .cost import CostModel, default_model, model_named
 from .stripe_choice import MIN_STRIPE
 
-__all__ = ["MIN_GAIN", "MIN_WHOLE", "Prediction", "predict_ring", "search", "choose_whole_max", "describe",
-           "placed_runs", "placements_made"]
+__all__ = ["MIN_GAIN", "MIN_WHOLE", "Prediction", "predict_ring", "search", "preference", "choose_whole_max",
+           "describe", "placed_runs", "placements_made"]
 
 #: a candidate must beat a simpler one by this share of its time to be chosen (the model is crude:
 #: at N=2 a 0.6% predicted gain once cut a document and measured 7-12% slower)
@@ -172,11 +172,16 @@ def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_p
         raise ValueError(f"no striped plan fills {world_size} ranks of {local} tokens evenly for this row "
                          f"(stripe_size={stripe_size!r}, doc_placement={doc_placement!r})")
     fastest = min(p.ms for p in tried)
-    # among the near-fastest, the simplest: fewest whole documents, then stripes of 1, "doc", sizes
-    order = {1: 0, "doc": 1}
     near = [p for p in tried if p.ms <= fastest / (1 - MIN_GAIN)]
-    chosen = min(near, key=lambda p: (p.whole_max, order.get(p.stripe_size, 2), str(p.stripe_size)))
-    return chosen, tried
+    return min(near, key=preference), tried
+
+
+def preference(p: Prediction) -> tuple:
+    """Among near-equal predictions, the plan to take: the fewest whole documents (no cut ones),
+    then per-document stripes, stripes of 1, stripe sizes (smallest first): per-document stripes
+    measured at least as fast as stripes of 1 on every packed mix (docs/tuning.md, "Choosing a plan")."""
+    family = {"doc": 0, 1: 1}.get(p.stripe_size, 2)
+    return p.whole_max, family, 0 if isinstance(p.stripe_size, str) else p.stripe_size
 
 
 def choose_whole_max(bounds, world_size: int, stripe=1, model: CostModel | str | None = None) -> int:
