@@ -78,6 +78,8 @@ def _cases():
     p8s2 = _algo(striped_doc_placement="8", striped_stripe_size=2)
     doc, doc8 = _algo(striped_stripe_size="doc"), _algo(striped_stripe_size="doc", striped_doc_placement="8")
     assert (s4, p8s2, doc8) == ("striped:stripe=4", "striped:stripe=2,place=8", "striped:stripe=doc,place=8")
+    stripe_auto = _algo(striped_stripe_size="auto", sft=True)  # --sft packed rows: the per-batch search
+    assert stripe_auto == "striped:stripe=auto"
     return [
         ("thd-stripe2", check_thd, (2, s2, False, None, SEED)),
         ("thd-padded-stripe2-window", check_thd, (2, s2, True, WINDOW, SEED + 1)),
@@ -91,6 +93,8 @@ def _cases():
         ("thd-padded-place16-mtp", check_thd, (2, p16, True, None, SEED + 9, False, 1)),
         ("thd-padded-doc", check_thd, (2, doc, True, None, SEED + 12)),
         ("thd-doc8-window", check_thd, (2, doc8, False, WINDOW, SEED + 13)),
+        ("thd-padded-stripe-auto", check_thd, (2, stripe_auto, True, None, SEED + 14)),
+        ("thd-stripe-auto-window", check_thd, (2, stripe_auto, False, WINDOW, SEED + 15)),
         ("placement-reorders", check_placement_reorders, (SEED + 10,)),
         ("placed-reset-mask-refused", check_placed_reset_mask_refused, (SEED + 11,)),
     ]
