@@ -43,6 +43,9 @@ class CostModel:
     transfer_ns_per_row: float = 1.0
     #: fixed cost of one ring step per head, both passes (launch, wait, accumulator update)
     step_ns: float = 0.0
+    #: whether a transfer runs beside the compute (GPU copy engines) or takes its time from it (CPU
+    #: ranks, whose cores run gloo's copies too)
+    overlaps_transfer: bool = True
 
     def call(self, rows: float, keys: float, causal: bool) -> float:
         if rows <= 0 or keys <= 0:
@@ -71,12 +74,14 @@ class CostModel:
     def ring_ns(self, compute_ns, carried_rows) -> float:
         """Forward+backward time per head of a ring whose step ``t`` computes ``compute_ns[t]``
         (forward, on the slowest rank) and then takes the ``carried_rows[t]`` key/value rows of the
-        next step (0 after the last step): a transfer overlaps the step's compute (forward: K/V;
-        backward: K/V and dK/dV, twice the bytes), each step pays :attr:`step_ns`."""
+        next step (0 after the last step): a transfer (forward: K/V; backward: K/V and dK/dV, twice
+        the bytes) overlaps the step's compute where :attr:`overlaps_transfer`, else adds to it; each
+        step pays :attr:`step_ns`."""
+        join = max if self.overlaps_transfer else (lambda a, b: a + b)
         total = 0.0
         for ns, rows in zip(compute_ns, carried_rows):
-            fwd = max(ns, rows * self.transfer_ns_per_row)
-            bwd = max(ns * self.backward_factor, 2 * rows * self.transfer_ns_per_row)
+            fwd = join(ns, rows * self.transfer_ns_per_row)
+            bwd = join(ns * self.backward_factor, 2 * rows * self.transfer_ns_per_row)
             total += fwd + bwd + self.step_ns
         return total
 
@@ -92,10 +97,10 @@ class CostModel:
 
 COST_MODELS = {
     # measured here: PyTorch's CPU flash op, fp32, head_dim 64, one thread (docs/tuning.md, "Whole-document placement")
-    # the backward factor fitted on 2 gloo ranks, 4096 tokens each, fwd+bwd of 29 plans (docs/tuning.md,
-    # "Choosing a plan"); transfer: gloo over loopback, ~1.7 GB/s
-    "cpu": CostModel("cpu", 3.9, 60.0, 256.0, 20_000.0, True, backward_factor=3.0, transfer_ns_per_row=300.0,
-                     step_ns=50_000.0),
+    # the backward factor and the transfer fitted on 2 gloo ranks, 4096 tokens each, fwd+bwd of 36
+    # plans (docs/tuning.md, "Choosing a plan"): 1 us per K/V row and head, not hidden by compute
+    "cpu": CostModel("cpu", 3.9, 60.0, 256.0, 20_000.0, True, backward_factor=3.0, transfer_ns_per_row=1000.0,
+                     step_ns=50_000.0, overlaps_transfer=False),
     # a prediction, not a measurement: flash-attn 2/3 style tiles of 128 rows on a GPU; NVLink-class link
     "flash_attn": CostModel("flash_attn", 0.01, 128.0, 64.0, 5_000.0, False, backward_factor=2.5,
                             transfer_ns_per_row=1.0, step_ns=20_000.0),
