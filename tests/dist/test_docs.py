@@ -191,7 +191,7 @@ def megatron_flags() -> frozenset[str] | None:
         flags |= set(re.findall(r"""['"](--[a-z0-9][a-z0-9_-]*)['"]""", src))
         if d.name == tag:
             code = ("import argparse, json, sys, warnings; warnings.filterwarnings('ignore'); "
-                    f"sys.path.insert(0, {str(ROOT / 'tests')!r}); import megatron_cpu_shims; "
+                    f"sys.path.insert(0, {str(ROOT / 'tests' / 'support')!r}); import megatron_cpu_shims; "
                     "megatron_cpu_shims.apply(); "  # megatron.training imports triton kernels
                     f"sys.path.insert(0, {str(d)!r}); "
                     "from megatron.training.arguments import add_megatron_arguments; "
