@@ -120,12 +120,21 @@ def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: Co
     return Prediction(stripe_size, whole_max, ns / 1e6, len(compute), tuple(c / 1e6 for c in compute), tuple(carried))
 
 
-def _whole_maxes(local: int) -> list[int]:
+def _whole_maxes(local: int, lengths: list[int]) -> list[int]:
+    """0 and the powers of two from :data:`MIN_WHOLE` up to ``local`` (and ``local``), keeping one
+    length per distinct set of documents it allows whole (the same set: the same plan)."""
     out, c = [0], MIN_WHOLE
     while c < local:
         out.append(c)
         c *= 2
-    return out + [local]
+    out.append(local)
+    kept, seen = [], set()
+    for w in out:
+        allowed = sum(1 for n in lengths if n <= w)
+        if allowed not in seen:
+            seen.add(allowed)
+            kept.append(w)
+    return kept
 
 
 def _try(bounds, world_size, stripe, whole_max, model, even_only=False):
@@ -148,8 +157,9 @@ def search(bounds, world_size: int, model: CostModel | str | None = None, stripe
 @functools.lru_cache(maxsize=16)
 def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_placement):
     local = bounds[-1] // world_size
+    lengths = _lengths(bounds)
     if doc_placement == "auto":
-        maxes = _whole_maxes(local)
+        maxes = _whole_maxes(local, lengths)
     else:
         maxes = [0 if doc_placement == "split" else int(doc_placement)]
     if stripe_size == "auto":
@@ -166,6 +176,8 @@ def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_p
         best_one = min(ones, key=lambda p: p.ms).whole_max if ones else 0
         for s in sizes:
             for w in sorted({maxes[0], best_one}):
+                if any(w < n < s * world_size for n in lengths):
+                    continue  # a striped document on fewer than N stripes (predict_ring's even_only)
                 if (p := _try(bounds, world_size, s, w, model, even_only=True)):
                     tried.append(p)
     if not tried:
