@@ -50,6 +50,9 @@ class ContextParallelSettings:
     #: the ring timeout in seconds (:func:`striped_sp.engine.transport.set_ring_timeout`, applied when the model is
     #: adapted); ``None``: ``$STRIPED_SP_RING_TIMEOUT_S`` or 600
     timeout_s: float | None = None
+    #: calibrate the kernel's cost model for ``auto`` choices on the group's first rank when the model
+    #: is adapted, and adopt it on every rank (:func:`striped_sp.calibrate_cost_model`)
+    calibrate: bool = False
     #: striped only: tokens dealt to ranks in stripes of this many (1: token by token)
     stripe_size: int | str = 1
     #: striped only, packed rows: ``"split"`` (every document striped), ``"auto"`` or an int (documents
@@ -104,6 +107,7 @@ def _model_class():
             backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
             ulysses_size: pydantic.StrictInt = pydantic.Field(default=1, ge=1)
             timeout_s: Optional[float] = pydantic.Field(default=None, gt=0, allow_inf_nan=False)
+            calibrate: pydantic.StrictBool = False
             #: these two are listed for the allowed keys and checked by _striped_value (DeepSpeed's models
             #: read "auto" as "the default", and "auto" is a placement of its own here)
             stripe_size: Union[str, int] = 1
@@ -196,7 +200,7 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
     placement = _doc_placement(section, "auto" if stripe == "auto" else "split")
     _check_striped_keys(model.algo, stripe, placement)
     return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
-                                   ulysses_size=u, timeout_s=model.timeout_s, stripe_size=stripe,
+                                   ulysses_size=u, timeout_s=model.timeout_s, calibrate=model.calibrate, stripe_size=stripe,
                                    doc_placement=placement)
 
 

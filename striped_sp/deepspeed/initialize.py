@@ -130,6 +130,10 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
         from ..engine.transport import set_ring_timeout
 
         set_ring_timeout(settings.timeout_s)
+    if settings.calibrate:  # context_parallel.calibrate: one model for the group, before any batch
+        from ..engine.calibration import calibrate_cost_model
+
+        calibrate_cost_model(group=groups.group, backend=settings.backend)
     _swap_deepspeed_attention(model, settings)
     hierarchical = ulysses_groups(groups, settings.ulysses_size)
     ours = [m for m in model.modules() if isinstance(m, DistributedAttention)]

@@ -81,9 +81,9 @@ def test_config_striped_parameters_make_one_layout_key():
 
 
 @pytest.mark.parametrize("section,words", [
-    ({"stripe_size": 0}, ["context_parallel.stripe_size=0", "a positive integer or 'doc'"]),
+    ({"stripe_size": 0}, ["context_parallel.stripe_size=0", "a positive integer, 'doc'", "or 'auto'"]),
     ({"stripe_size": "4"}, ["context_parallel.stripe_size='4'", "integer"]),
-    ({"stripe_size": "docs"}, ["context_parallel.stripe_size='docs'", "integer or 'doc'"]),
+    ({"stripe_size": "docs"}, ["context_parallel.stripe_size='docs'", "integer, 'doc'"]),
     ({"stripe_size": True}, ["context_parallel.stripe_size=True"]),
     ({"stripe_size": 2.5}, ["context_parallel.stripe_size=2.5"]),
     ({"doc_placement": "whole"}, ["context_parallel.doc_placement='whole'", "'split', 'auto' or a positive integer"]),
@@ -321,3 +321,11 @@ def test_accelerate_gets_our_auto_choices_back_in_initialize(monkeypatch):
         deepspeed.initialize(config=config)
     assert seen["context_parallel"] == {"ulysses_size": 1, "backend": "auto", "stripe_size": "auto", "doc_placement": "auto"}
     assert parse_config(seen, world_size=2).layout == "striped:stripe=auto"
+
+
+def test_config_calibrate_is_a_strict_bool():
+    base = {"sequence_parallel_size": 2}
+    assert not parse_config({**base, "context_parallel": {}}, world_size=2).calibrate
+    assert parse_config({**base, "context_parallel": {"calibrate": True}}, world_size=2).calibrate
+    with pytest.raises(ValueError, match="context_parallel.calibrate"):
+        parse_config({**base, "context_parallel": {"calibrate": "yes"}}, world_size=2)
