@@ -7,6 +7,7 @@ bench modes (``striped-sp bench MODE --help`` for each one's options and default
   hier       a model of hierarchical CP: the predicted time of every Ulysses x ring split
   precision  bf16 gradient error against N for each dtype dK/dV travel the ring in
   train      end-to-end training steps (Megatron GPT, HF Llama/Mistral) per layout, the paper's table
+  overhead   host work: per-batch plan time, per-layer aten ops, copies, syncs and host time, rank 0 of N
 
 patch: the Megatron-LM patch files shipped with the package
   striped-sp patch --list                              the tags and the paths
@@ -22,20 +23,21 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import hier, precision, train
+    from .bench import hier, overhead, precision, train
     from .bench.cli_args import Formatter, add_balance, add_run, add_sim
 
     p = argparse.ArgumentParser(prog="striped-sp", description=__doc__, formatter_class=Formatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{bench,patch}")
-    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision, train",
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision, train, overhead",
                            description="Benchmarks and models; `striped-sp bench MODE --help` for a mode's options.")
-    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision,train}")
+    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision,train,overhead}")
     add_balance(modes)
     add_sim(modes)
     add_run(modes)
     hier.register(modes)
     precision.register(modes)
     train.register(modes)
+    overhead.register(modes)
     _patch_parser(sub)
     for parser in (p, bench, *modes.choices.values(), *sub.choices.values()):
         parser.formatter_class = Formatter
@@ -335,7 +337,7 @@ def main(argv=None) -> int:
         name, handler = "striped-sp patch", _patch
     else:
         name = f"striped-sp bench {args.mode}"
-        handler = args.run if args.mode in ("hier", "precision", "train") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
+        handler = args.run if args.mode in ("hier", "precision", "train", "overhead") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
     if getattr(args, "plot", None):  # before the work, not after it
         from .bench.report import check_plotting
 
