@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import os
 import statistics
+import time
 import warnings
 
 import torch
@@ -60,7 +61,7 @@ from ..plan.ring_plan import compile_plan
 from .common import clock_for
 from .docs import workload
 
-__all__ = ["OverheadConfig", "HostWork", "shape_only_attention", "measure", "targets", "register", "ROWS",
+__all__ = ["OverheadConfig", "HostWork", "ShapeOnlyAttention", "shape_only_attention", "measure", "targets", "register", "ROWS",
            "DEFAULT_LAYOUTS", "WEB_MIX", "KERNEL_OPS", "SYNCING"]
 
 ROWS = ("dense", "packed", "window")
@@ -159,40 +160,55 @@ def _meta_like(x):
 
 def _key(x):
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.stride(), x.dtype)
+        return x.shape, x.stride(), x.dtype
     return tuple(x) if isinstance(x, list) else x
 
 
-def _shape_only(op, cache: dict, *args, **kwargs):
-    """``op``'s outputs as the real kernel lays them out (shapes, strides, dtypes: from its meta
-    kernel, once per signature), uninitialised."""
-    key = (tuple(_key(a) for a in args), tuple((k, _key(v)) for k, v in kwargs.items()))
-    shapes = cache.get(key)
-    if shapes is None:
-        res = op(*[_meta_like(a) for a in args], **{k: _meta_like(v) for k, v in kwargs.items()})
-        res = res if isinstance(res, tuple) else (res,)
-        shapes = cache[key] = [(r.shape, r.stride(), r.dtype) if isinstance(r, torch.Tensor) else r for r in res]
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    out = tuple(torch.empty_strided(s[0], s[1], dtype=s[2], device=device) if isinstance(s, tuple) else s
-                for s in shapes)
-    return out if len(out) > 1 else out[0]
+class ShapeOnlyAttention:
+    """While open (``with``), the aten ops named in ``ops`` return uninitialised outputs of the
+    right shapes, strides and dtypes on ``dispatch_key`` (from the op's meta kernel, once per
+    signature) instead of computing: registered over the real kernels with ``torch.library``, removed
+    on exit.  The ring's host work without the attention compute: ``seconds`` (on ``clock``) is the
+    time spent inside the stand-ins, for the caller to subtract; what remains of a call is the
+    dispatcher's, about a kernel launch."""
 
+    def __init__(self, ops, dispatch_key: str = "CPU", clock=time.process_time):
+        self.ops, self.dispatch_key, self.clock = tuple(ops), dispatch_key, clock
+        self.seconds, self.calls = 0.0, 0
+        self._lib = None
 
-@contextlib.contextmanager
-def shape_only_attention(ops, dispatch_key: str = "CPU"):
-    """While open, the aten ops named in ``ops`` return uninitialised outputs of the right shapes
-    and strides on ``dispatch_key`` instead of computing (registered over the real kernels with
-    ``torch.library``, removed on exit): the ring's host work without the attention compute.  A
-    call costs about what the real op's fixed cost does at tiny sizes (tens of microseconds)."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
+    def __enter__(self) -> "ShapeOnlyAttention":
+        self._lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
-            for name in ops:
-                lib.impl(name, functools.partial(_shape_only, getattr(torch.ops.aten, name), {}), dispatch_key)
-        yield
-    finally:
-        lib._destroy()  # the registrations go, the real kernels are back
+            for name in self.ops:
+                self._lib.impl(name, functools.partial(self._call, getattr(torch.ops.aten, name), {}),
+                               self.dispatch_key)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lib._destroy()  # the registrations go, the real kernels are back
+        self._lib = None
+
+    def _call(self, op, cache: dict, *args, **kwargs):
+        t0 = self.clock()
+        key = (tuple(_key(a) for a in args), tuple((k, _key(v)) for k, v in kwargs.items()))
+        shapes = cache.get(key)
+        if shapes is None:
+            res = op(*[_meta_like(a) for a in args], **{k: _meta_like(v) for k, v in kwargs.items()})
+            res = res if isinstance(res, tuple) else (res,)
+            shapes = cache[key] = [(r.shape, r.stride(), r.dtype) if isinstance(r, torch.Tensor) else r for r in res]
+        device = args[0].device
+        out = tuple(torch.empty_strided(s[0], s[1], dtype=s[2], device=device) if isinstance(s, tuple) else s
+                    for s in shapes)
+        self.calls += 1
+        self.seconds += self.clock() - t0
+        return out if len(out) > 1 else out[0]
+
+
+def shape_only_attention(ops, dispatch_key: str = "CPU") -> ShapeOnlyAttention:
+    """:class:`ShapeOnlyAttention` of ``ops`` (a context manager)."""
+    return ShapeOnlyAttention(ops, dispatch_key)
 
 
 class CudaBranch(TorchKernel):
@@ -267,13 +283,16 @@ class _Path:
     count_device: torch.device | None = None  # counts on this device instead (the dry run's meta)
     label: str = ""
 
-    def context(self):
+    def context(self) -> tuple[contextlib.ExitStack, ShapeOnlyAttention | None]:
+        """The context the path runs in, and its shape-only attention ops (``None``: the real ones)."""
         stack = contextlib.ExitStack()
+        stub = None
         if self.stub:
-            stack.enter_context(shape_only_attention(self.stub, self.device.type.upper()))
+            stub = stack.enter_context(ShapeOnlyAttention(self.stub, self.device.type.upper(),
+                                                          clock_for(self.device, 1)))
         if self.name == "cuda" and self.device.type == "cpu":
             stack.enter_context(_cuda_branch_on_cpu())
-        return stack
+        return stack, stub
 
 
 def _paths(cfg: OverheadConfig) -> list[_Path]:
@@ -383,7 +402,7 @@ def _window_groups(plan) -> list[int]:
 def _layer_counts(request, path: _Path, n: int, local: int, cfg: OverheadConfig, group) -> dict:
     """The counts of the layer after the first (and the first's copies), on the counting device."""
     device = path.count_device or path.device
-    ctx = contextlib.ExitStack() if path.count_device is not None else path.context()
+    ctx = contextlib.ExitStack() if path.count_device is not None else path.context()[0]
     with ctx:
         layer = _Layer(request, path, device, n, local, cfg, group)
         PLANS.clear()
@@ -407,19 +426,25 @@ def _layer_counts(request, path: _Path, n: int, local: int, cfg: OverheadConfig,
 
 
 def _layer_time(request, path: _Path, n: int, local: int, cfg: OverheadConfig, group, profile: bool) -> dict:
-    """Median host seconds of a layer after the first (forward + backward), on the path's device."""
-    with path.context():
+    """Median host milliseconds of a layer after the first (forward + backward) on the path's device,
+    less the time inside shape-only attention ops (``attention_stub_ms``: what was subtracted)."""
+    stack, stub = path.context()
+    with stack:
         layer = _Layer(request, path, path.device, n, local, cfg, group)
         PLANS.clear()
         layer.run()  # the batch's first layer: compiles the plan
         _sync(path.device)
         clock, samples = clock_for(path.device, 1), []
         for _ in range(cfg.reps):
+            inside = stub.seconds if stub is not None else 0.0
             t0 = clock()
             layer.run()
-            samples.append(clock() - t0)  # before the device finishes: host time
+            t1 = clock()  # before the device finishes: host time
+            stubbed = (stub.seconds if stub is not None else 0.0) - inside
+            samples.append((t1 - t0 - stubbed, stubbed))
             _sync(path.device)
-        out = {"host_ms": 1e3 * statistics.median(samples)}
+        host, stubbed = sorted(samples)[(len(samples) - 1) // 2]  # the median (the lower one of an even count)
+        out = {"host_ms": 1e3 * host, "attention_stub_ms": 1e3 * stubbed}
         if profile:
             out["profile"] = _profile(layer.run)
     return out
