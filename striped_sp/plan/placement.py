@@ -63,24 +63,9 @@ def _lengths(bounds: tuple) -> list[int]:
 def _striped_runs(bounds, striped: list[int], world_size: int, stripe: int) -> list[list[tuple]]:
     """Per rank, the runs ``(first_position, count, step)`` of the striped documents (indices
     ``striped``), dealt in row order as one sub-row."""
-    per_rank = [[] for _ in range(world_size)]
-    offset = 0  # start of the document in the sub-row
-    for d in striped:
-        start, length = bounds[d], bounds[d + 1] - bounds[d]
-        if stripe == 1:
-            for r in range(world_size):
-                t0 = (r - offset) % world_size
-                if t0 < length:
-                    per_rank[r].append((start + t0, (length - t0 + world_size - 1) // world_size, world_size))
-        else:
-            t = 0
-            while t < length:  # the stripes (or stripe ends) that fall inside this document
-                g = (offset + t) // stripe
-                end = min(length, (g + 1) * stripe - offset)
-                per_rank[g % world_size].append((start + t, end - t, 1))
-                t = end
-        offset += length
-    return per_rank
+    rows = doc_stripes.striped_rows(bounds, striped, world_size, stripe)
+    per_rank = torch.bincount(rows[:, 0], minlength=world_size).tolist()
+    return [list(map(tuple, r[:, 1:].tolist())) for r in torch.split(rows, per_rank)]
 
 
 def _entries(length: int) -> int:
@@ -93,26 +78,28 @@ def _assign_whole(bounds, whole: list[int], capacity: list[int], cut_max: int):
     most ``cut_max`` tokens (its cross-rank blocks stay small); longer ones are returned as
     ``unfit``.  Returns per rank ``[(first_position, count)]`` (cut pieces first), the entries per
     rank and the unfit documents."""
+    import heapq
+
     n = len(capacity)
     lengths = {d: bounds[d + 1] - bounds[d] for d in whole}
     room = list(capacity)
     kept_docs, left, work = assign_greedy(lengths, whole, room)
     kept = [[(bounds[d], lengths[d]) for d in docs] for docs in kept_docs]
-    small = [d for d in left if lengths[d] <= cut_max]
     unfit = [d for d in left if lengths[d] > cut_max]
     cut = [[] for _ in range(n)]
-    for d in small:
-        pos = bounds[d]
-        for r in sorted(range(n), key=lambda r: (-room[r], r)):
-            take = min(room[r], bounds[d + 1] - pos)
-            if take <= 0:
-                continue
+    roomiest = [(-room[r], r) for r in range(n) if room[r] > 0]  # the most room first, ties lower rank
+    heapq.heapify(roomiest)
+    for d in (d for d in left if lengths[d] <= cut_max):
+        pos, end = bounds[d], bounds[d + 1]
+        while pos < end and roomiest:
+            _, r = heapq.heappop(roomiest)
+            take = min(room[r], end - pos)
             cut[r].append((pos, take))
             room[r] -= take
             work[r] += _entries(take)
             pos += take
-            if pos == bounds[d + 1]:
-                break
+            if room[r]:  # the document's last piece: the rank keeps some room
+                heapq.heappush(roomiest, (-room[r], r))
     return [c + sorted(k) for c, k in zip(cut, kept)], work, unfit
 
 
@@ -127,67 +114,75 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int):
     Documents of at most ``whole_max`` tokens start out whole; the striped ones fix each rank's
     room.  While a whole candidate is too long to fit (or to cut harmlessly: a cut document's
     cross-rank block lands on one rank at one step), the longest such one is striped instead and
-    the rest placed again; after ``2N`` tries the leftovers are cut."""
+    the rest placed again; after ``2N`` tries the leftovers are cut.
+
+    Each try costs little: a rank's striped tokens depend only on how many tokens are striped
+    (whole stripes dealt round the ranks), and the greedy (:class:`~striped_sp.plan.solver.Rerun`)
+    replays only from the first document whose rank lost the room for it, stopping at the first
+    one that fits nowhere (the longest unfit one is the last document of its length from there)."""
+    from .solver import Rerun
+
+    n = world_size
     seq_len = bounds[-1]
-    local = seq_len // world_size
+    local = seq_len // n
     lengths = _lengths(bounds)
     cut_max = max(64, local // 64)
-    whole = [d for d, n in enumerate(lengths) if n <= min(whole_max, local)]
-    for attempt in range(2 * world_size + 1):
-        if attempt == 2 * world_size:
+    whole = [d for d, x in enumerate(lengths) if x <= min(whole_max, local)]
+    whole_set = set(whole)
+    striped_tokens = sum(x for d, x in enumerate(lengths) if d not in whole_set)
+    greedy = Rerun(sorted(whole, key=lambda d: (-lengths[d], d)), lengths, n)
+    for attempt in range(2 * n + 1):
+        if attempt == 2 * n:
             cut_max = local  # give up moving documents: cut what is left (predict counts the cost)
-        whole_set = set(whole)
-        striped = [d for d in range(len(lengths)) if d not in whole_set]
-        striped_runs, capacity = _striped_capacity(bounds, striped, world_size, stripe, local)
+        # the striped sub-row is dealt in whole rounds of N stripes, then a part round
+        rounds, rest = divmod(striped_tokens, n * stripe)
+        full, part = divmod(rest, stripe)  # ranks 0..full-1 get a stripe more, rank `full` part of one
+        room = local - rounds * stripe
+        capacity = [room - stripe] * full + [room - part] + [room] * (n - full - 1)
         if min(capacity) < 0 or (not whole and max(capacity) > 0):
             raise ValueError(
                 f"stripe_size={stripe}: the striped documents ({seq_len - sum(capacity)} tokens) do not fall "
                 f"evenly on {world_size} ranks of {local} tokens (room left per rank {capacity}); use a stripe "
                 "size that divides the row by world_size * stripe_size, or doc_placement='auto' to fill the "
                 "ranks with whole documents")
-        placed, entries, unfit = _assign_whole(bounds, whole, capacity, cut_max)
-        if not unfit:
+        stop = greedy.run(capacity, cut_max)
+        if stop == len(greedy.docs):
             break
-        # the longest one is striped instead; the rooms shrink evenly and the rest is placed again
-        drop = max(unfit, key=lambda d: (lengths[d], d))
-        whole = [d for d in whole if d != drop]
-    tables = []
-    for r in range(world_size):
-        rows = [(p, c, s) for p, c, s in striped_runs[r]] + [(p, c, 1) for p, c in placed[r]]
-        counts_r = torch.tensor([c for _, c, _ in rows], dtype=torch.int64)
-        local_start = torch.cumsum(counts_r, 0) - counts_r
-        table = torch.tensor([[ls, p, c, s] for ls, (p, c, s) in zip(local_start.tolist(), rows)], dtype=torch.int64)
-        tables.append(table.view(-1, 4))
+        # the longest unfit one is striped instead; the rooms shrink evenly and the rest is placed again
+        length = greedy.lengths[stop]
+        last = bisect.bisect_right(greedy.lengths, -length, lo=stop, key=lambda x: -x) - 1
+        drop = greedy.docs[last]
+        greedy.remove([last])
+        whole.remove(drop)
+        striped_tokens += length
+    placed, entries, _ = _assign_whole(bounds, whole, capacity, cut_max)
+    whole_set = set(whole)
+    striped = [d for d in range(len(lengths)) if d not in whole_set]
+    placed_rows = torch.tensor([(r, p, c, 1) for r in range(n) for p, c in placed[r]], dtype=torch.int64)
+    tables = doc_stripes.run_tables(n, [doc_stripes.striped_rows(bounds, striped, n, stripe), placed_rows])
     return tables, whole, striped, entries
 
 
 def _whole_pieces(bounds: tuple, tables: list, whole: list) -> list[list[tuple[int, int]]]:
     """Per rank, ``(document, count)`` of the pieces of documents placed whole (or cut)."""
-    whole = set(whole)
-    per_rank = []
-    for t in tables:
-        rows = []
-        for _, first, count, step in t.tolist():
-            doc = bisect.bisect_right(bounds, first) - 1
-            if step == 1 and doc in whole:
-                rows.append((doc, count))
-        per_rank.append(rows)
-    return per_rank
+    rows = torch.cat([t.reshape(-1, 4) for t in tables])
+    doc = torch.searchsorted(torch.tensor(bounds, dtype=torch.int64), rows[:, 1].contiguous(), right=True) - 1
+    keep = (rows[:, 3] == 1) & torch.isin(doc, torch.tensor(sorted(set(whole)), dtype=torch.int64))
+    per_rank = torch.split(torch.stack([doc, rows[:, 2]], 1)[keep],
+                           [int(k.sum()) for k in torch.split(keep, [len(t) for t in tables])])
+    return [list(map(tuple, p.tolist())) for p in per_rank]
 
 
 def _cross_entries(pieces: list) -> int:
-    """Score entries between the pieces of documents cut over several ranks."""
-    by_doc: dict = {}
+    """Score entries between the pieces of documents cut over several ranks: per document, each
+    piece times the pieces before it, ``((sum c)^2 - sum c^2) / 2``."""
+    totals: dict = {}
+    squares = 0
     for rows in pieces:
         for doc, count in rows:
-            by_doc.setdefault(doc, []).append(count)
-    total = 0
-    for counts in by_doc.values():
-        before = 0
-        for c in counts:
-            total += c * before
-            before += c
-    return total
+            totals[doc] = totals.get(doc, 0) + count
+            squares += count * count
+    return (sum(t * t for t in totals.values()) - squares) // 2
 
 
 def _piece(length: int, world_size: int, stripe: int) -> float:
