@@ -39,6 +39,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .transport import ring_timeout
+
 __all__ = ["CHECK_RANKS_ENV", "CACHE_SIZE", "check_ranks_enabled", "per_call_checks_enabled", "agree", "agreeing",
            "gather_rows", "clear_cache"]
 
@@ -97,7 +99,9 @@ def _readable(value: Any) -> str:
 
 def _all_gather(mine: torch.Tensor, group, timeout: datetime.timedelta | None, what: str) -> torch.Tensor:
     """``[world_size, *mine.shape]``: every rank's ``mine``; a peer that does not join within
-    ``timeout`` (CPU tensors, gloo) raises ``TimeoutError``."""
+    ``timeout`` (``None``: the ring timeout; CPU tensors, gloo) raises ``TimeoutError``."""
+    if timeout is None:  # not the group's own (gloo: 30 minutes; Megatron's groups likewise)
+        timeout = ring_timeout()
     n = dist.get_world_size(group)
     every = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)  # gloo: concatenated only
     work = dist.all_gather_single(every, mine.reshape(-1), group=group, async_op=True)
@@ -109,7 +113,7 @@ def _all_gather(mine: torch.Tensor, group, timeout: datetime.timedelta | None, w
     except RuntimeError as err:
         if "imed out" not in str(err) and "timeout" not in str(err):
             raise
-        waited = f"more than {timeout.total_seconds():g} s" if timeout is not None else "past the group's timeout"
+        waited = f"more than {timeout.total_seconds():g} s" if mine.device.type == "cpu" else "past the group's timeout"
         raise TimeoutError(
             f"{what}: rank {dist.get_rank(group)} of the group waited {waited} for "
             "the other ranks to check their arguments (a peer is stuck or gone, or it skipped the check because "
@@ -146,7 +150,7 @@ def gather_rows(group, values: Sequence[int], *, what: str, device: torch.device
                 timeout: datetime.timedelta | None = None) -> list[list[int]]:
     """Every rank's ``values`` (int64, the same count on every rank), in group rank order: one
     all-gather, ``TimeoutError`` naming ``what`` when a peer does not join within ``timeout``
-    (gloo).  The exchange under :func:`agree`, for callers that compare their own table (the data
+    (gloo; ``None``: the ring timeout).  The exchange under :func:`agree`, for callers that compare their own table (the data
     loader's batch digests)."""
     if group is None:
         group = dist.group.WORLD
@@ -170,7 +174,8 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         error: this rank's own argument check failed: tell the others (their ``ValueError`` names this
             rank), then raise ``error`` here.  Raised also when no peer joins within ``timeout``.
         device: where the exchange's small tensors live (the caller's: CUDA for NCCL).
-        timeout: how long to wait for the peers (gloo); ``None``: the process group's own.
+        timeout: how long to wait for the peers (gloo); ``None``: the ring timeout
+            (:func:`striped_sp.engine.transport.ring_timeout`; on CUDA the group's own applies).
         enabled: ``None``: :func:`check_ranks_enabled`.
         cached: ``False``: exchange on every call, agreed before or not (for per-call checks whose
             peers may have failed where this rank passed: they must always meet).

@@ -71,6 +71,10 @@ def algo_of(args) -> str:
     return get_layout(algo, stripe if stripe != 1 else None, place if place != "split" else None).key
 
 
+#: the flags :func:`add_arguments` adds (each one the parser lacks)
+_FLAGS = ("--context-parallel-algo", "--striped-stripe-size", "--striped-doc-placement", "--context-parallel-timeout-s")
+
+
 def add_arguments(parser):
     """Add ``--context-parallel-algo``, ``--striped-stripe-size``, ``--striped-doc-placement`` and
     ``--context-parallel-timeout-s`` to ``parser`` (those it lacks) and return it.
@@ -82,7 +86,7 @@ def add_arguments(parser):
     with another provider.  Adding it twice is a no-op.
     """
     known = {o for a in parser._actions for o in a.option_strings}  # a group shares its parser's
-    if {"--context-parallel-algo", "--striped-stripe-size"} <= known:
+    if set(_FLAGS) <= known:
         return parser
     group = parser
     if isinstance(parser, argparse.ArgumentParser):

@@ -1,7 +1,9 @@
 """Cross-rank agreement (striped_sp/agreement.py): ranks called with different arguments all raise a
 ValueError naming the field and both values, once per new signature; agreed signatures send nothing."""
 
+import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -57,22 +59,31 @@ def _disagreement(field, rank):
                 "rank 1 passed grad_comm_dtype=torch.bfloat16, rank 0 passed torch.float32")
     if field == "deterministic":
         return {"deterministic": [False, True][rank]}, "rank 1 passed deterministic=True, rank 0 passed False"
+    if field == "cu_seqlens":  # the batch's documents: the ranks would build different plans
+        return ({"cu_seqlens": torch.tensor([[0, 20, 64], [0, 10, 64]][rank], dtype=torch.int32)},
+                r"rank 1 passed cu_seqlens=\(0, 10, 64\), rank 0 passed \(0, 20, 64\)")
     if field == "window_size":
         return {"window_size": [(31, 0), (63, 0)][rank]}, r"rank 1 passed window_size=\(63, 0\), rank 0 passed \(31, 0\)"
     raise AssertionError(field)
 
 
 FIELDS = ["layout", "causal", "softmax_scale", "ulysses_size", "backend", "grad_comm_dtype", "deterministic",
-          "window_size"]
+          "cu_seqlens", "window_size"]
+FAST_S = 10.0  # a disagreement is one exchange; a rank left waiting would take the ring timeout (30 s here)
+STUCK_TIMEOUT_S = 2.0
+GROUP_TIMEOUT_S = 45.0  # a group timeout (Megatron: 30 minutes) the exchange must not wait for
 
 
 def check_field_disagreement(field):
-    """Each field alone: every rank raises (the same text), naming the field and both values."""
+    """Each field alone: every rank raises (the same text), naming the field and both values, at
+    once (32 tokens per rank: a global row of 64)."""
     rank = dist.get_rank()
     kwargs, match = _disagreement(field, rank)
     q, k, v = _qkv(s=32)
+    start = time.monotonic()
     with pytest.raises(ValueError, match=match):
         striped_sp.ring_attention(q, k, v, **kwargs)
+    assert time.monotonic() - start < FAST_S, f"{field}: raised after {time.monotonic() - start:.1f} s"
 
 
 def check_shapes_and_dtype():
@@ -158,6 +169,29 @@ def check_always():
         del os.environ["STRIPED_SP_CHECK_RANKS"]
 
 
+def check_per_call_exchange_waits_the_ring_timeout():
+    """The adapters' per-call exchange (``agreeing(cached=False)``, no ``timeout=``) waits for a
+    stuck peer the ring timeout (module docstring), not the group's own (gloo: 30 minutes for a
+    ``new_group``): rank 0 raises a TimeoutError naming the check.  A group of its own: a pair that
+    timed out is closed for good."""
+    from striped_sp.engine.transport import set_ring_timeout
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(STUCK_TIMEOUT_S + 3)  # never joins
+        return
+    set_ring_timeout(STUCK_TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="rank 0 of the group waited more than 2 s"):
+            with agreement.agreeing(group, what="test", enabled=True, cached=False):
+                pass
+    finally:
+        set_ring_timeout(None)
+    assert time.monotonic() - start < STUCK_TIMEOUT_S + FAST_S
+
+
 def check_still_exact():
     """After the disagreements above, an agreeing call runs exact (no message left half-sent)."""
     from striped_sp import shard
@@ -176,6 +210,7 @@ CASES = ([(f"differ-{f}", check_field_disagreement, (f,)) for f in FIELDS] + [
     ("cache", check_cached_after_agreement, ()),
     ("switch", check_switch, ()),
     ("always", check_always, ()),
+    ("per-call-timeout", check_per_call_exchange_waits_the_ring_timeout, ()),
     ("still-exact", check_still_exact, ()),
 ])
 _results = {}

@@ -79,6 +79,55 @@ def test_whole_documents_stay_on_one_rank():
     assert cut_docs <= 3 * n
 
 
+LIMIT = 7  # doc_placement: documents of at most this many tokens stay whole
+AT_THE_LIMIT = (LIMIT, LIMIT + 1, 3, 20, LIMIT, 5)  # then the rest of a row of 40 tokens per rank
+
+
+def _at_the_limit(n, local=40):
+    return AT_THE_LIMIT + (local * n - sum(AT_THE_LIMIT),)
+
+
+def _owners(parts, start, stop):
+    """The ranks holding positions ``start .. stop - 1``, in position order, repeats collapsed."""
+    owner = {int(p): r for r, part in enumerate(parts) for p in part if start <= p < stop}
+    runs = [owner[p] for p in range(start, stop)]
+    return [r for i, r in enumerate(runs) if i == 0 or runs[i - 1] != r]
+
+
+def _is_subsequence(small, big):
+    it = iter(big)
+    return all(x in it for x in small)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_document_of_exactly_the_limit_stays_whole(n):
+    """docs/tuning.md, "Whole-document placement": ``doc_placement=L`` keeps every document of *at
+    most* L tokens whole on one rank.  Under ``stripe=doc`` those of exactly L sit on one rank in one
+    run, one of L + 1 is cut into its 2N stripes dealt round trip (ranks 0..N-1, then N-1..0; a
+    stripe may be empty).  The plain placement (``stripe=1``) keeps the ones of L unstriped (whole,
+    or cut into contiguous pieces where no rank has room: the module notes) and deals the one of
+    L + 1 token by token."""
+    lengths = _at_the_limit(n)
+    bounds = _bounds(lengths)
+    seq = bounds[-1]
+    round_trip = list(range(n)) + list(range(n - 1, -1, -1))
+    for spec in (f"striped:stripe=doc,place={LIMIT}", f"striped:place={LIMIT}"):
+        lay = get_layout(spec)
+        parts = [lay.positions(seq, n, r, bounds) for r in range(n)]
+        for d, length in enumerate(lengths[:-1]):
+            owners = _owners(parts, bounds[d], bounds[d + 1])
+            held = [p[(p >= bounds[d]) & (p < bounds[d + 1])].tolist() for p in parts]
+            contiguous = all(h == list(range(h[0], h[0] + len(h))) for h in held if h)
+            if "stripe=doc" in spec and length <= LIMIT:
+                assert len(owners) == 1, f"{spec}: document {d} of {length} tokens cut: {owners}"
+            elif "stripe=doc" in spec:
+                assert len(set(owners)) > 1 and _is_subsequence(owners, round_trip), (spec, d, owners)
+            elif length <= LIMIT:
+                assert contiguous, f"{spec}: document {d} of {length} tokens striped: {held}"
+            else:
+                assert not contiguous, f"{spec}: document {d} of {length} > {LIMIT} tokens not striped: {held}"
+
+
 def test_auto_keeps_short_documents_whole_and_splits_a_dense_row():
     n, seq = 8, 8 * 4096
     short = _bounds([256] * (seq // 256))
@@ -112,7 +161,11 @@ def check_placed(n, layout, heads, seed, local_len, docs, window, ulysses=1, bac
     group, rank = cp_group(n)
     rng = random.Random(seed)
     seq = local_len * n
-    bounds = None if docs is None else _bounds(_random_lengths(rng, seq, docs == "short"))
+    if isinstance(docs, tuple):  # the documents' lengths themselves
+        assert sum(docs) == seq, (docs, seq)
+        bounds = _bounds(docs)
+    else:
+        bounds = None if docs is None else _bounds(_random_lengths(rng, seq, docs == "short"))
     h, kvh = HEADS[heads]
     gen = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(1, seq, h, 16, generator=gen) for _ in range(2))
@@ -207,6 +260,12 @@ def _cases(world):
                 cases.append((f"N{n}-{layout}-ulysses2", check_placed,
                               (n, layout, "gqa", s + 8, 2 * ll, "mixed", None, 2)))
         cases.append((f"N{n}-keywords", check_keyword_parameters, (n, SEED + n)))
+        if n > 1:  # documents of exactly the whole-placement limit (test_a_document_of_exactly_the_limit...)
+            for j, spec in enumerate([f"striped:stripe=doc,place={LIMIT}", f"striped:place={LIMIT}"]):
+                cases.append((f"N{n}-{spec}-at-the-limit", check_placed,
+                              (n, spec, "gqa", SEED + 3 * n + j, 40, _at_the_limit(n), None)))
+                cases.append((f"N{n}-{spec}-at-the-limit-window", check_placed,
+                              (n, spec, "mha", SEED + 5 * n + j, 40, _at_the_limit(n), (4, 0))))
         if n > 1:
             cases.append((f"N{n}-sends-shared-rows", check_ring_sends_shared_rows_only, (n, SEED + 7 * n)))
     return cases

@@ -76,6 +76,36 @@ def check_built_once_called_many(layout):
         request_mod.resolve_kernel, request_mod.make_mask = real_resolve, real_mask
 
 
+def _mla_inputs(seq, seed, dv, h=4, kvh=2, d=8):
+    """q, k of head dim ``d``, v and dout of ``dv`` (multi-latent attention's shapes), float64."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, seq, heads, dim, generator=gen, dtype=torch.float64) * 0.7
+            for heads, dim in ((h, d), (kvh, d), (kvh, dv), (h, dv))]
+
+
+def check_value_head_dim(layout, backend, dv):
+    """v's head dim differs from q/k's (8): smaller or larger, on a kernel that takes it as it is
+    (math) and on one that needs v padded to q/k's or q/k to v's (torch); the scale stays q's
+    ``8 ** -0.5``.  One request: plain, then with documents and a window, then q/k's own head dim
+    in between (another call shape of the same request): exact against float64 each time."""
+    seq = 2 * 3 * 10
+    req = RingRequest(None, layout=layout, backend=backend)
+    cu = [0, 12, 40, 60] if layout == "zigzag" else [0, 7, 33, 60]
+    masked = req.derive(cu_seqlens=cu, window_size=(9, 0))
+    resolved, real_resolve = [], request_mod.resolve_kernel
+    request_mod.resolve_kernel = lambda *a, **kw: resolved.append(a[3]) or real_resolve(*a, **kw)
+    try:
+        for i, (request, bounds, width) in enumerate([(req, None, dv), (masked, cu, dv), (req, None, 8),
+                                                      (req, None, dv)]):
+            full = _mla_inputs(seq, SEED + 50 + i, width)
+            errs = _run(request, full, layout, bounds)
+            assert all(err < 1e-10 for err in errs.values()), (layout, backend, dv, i, errs)
+    finally:
+        request_mod.resolve_kernel = real_resolve
+    # the kernel is resolved for the padded head dim, once per v shape and request
+    assert resolved == [max(8, dv), max(8, dv), 8], resolved
+
+
 def check_per_call_agreement_meets_every_time():
     """``agreeing(cached=False)``: a rank whose checks pass still meets a rank whose checks failed,
     call after call (the cached exchange would let it skip the second time)."""
@@ -92,6 +122,9 @@ def check_per_call_agreement_meets_every_time():
 
 
 CASES = [(f"once_{layout}", check_built_once_called_many, (layout,)) for layout in ("striped", "zigzag", "contiguous")]
+CASES += [(f"v_head_dim_{dv}_{layout}_{backend}", check_value_head_dim, (layout, backend, dv))
+          for layout, backend, dv in (("striped", "math", 12), ("zigzag", "math", 6), ("striped", "torch", 6),
+                                      ("contiguous", "torch", 12))]
 CASES.append(("per_call_agreement", check_per_call_agreement_meets_every_time, ()))
 
 

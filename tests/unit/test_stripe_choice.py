@@ -38,6 +38,26 @@ def test_crossover_is_the_documented_share():
     assert choose_stripe_size(seq, 8, False, w, k_lo - 1, 1) == 1
 
 
+@pytest.mark.parametrize("seq, window, wl, gl, n, stripe", [
+    (104, 13, 1, 1, 2, 4),    # 1365 window entries against 5460 global: exactly 1 / 5
+    (464, 29, 2, 1, 2, 8),    # two window layers of 13485 against 107880: exactly 1 / 5
+])
+def test_exactly_the_documented_share_takes_stripes(seq, window, wl, gl, n, stripe):
+    """docs/tuning.md, "Stripe size": window layers holding *at least* WINDOW_SHARE_MIN (20%) of the
+    entries take stripes of W / 8; at exactly 0.20 (a ratio the float division gives exactly) the
+    row is striped, one global layer more drops below the share and back to stripes of 1."""
+    assert window_share(seq, window, wl, gl) == WINDOW_SHARE_MIN == 0.20
+    assert choose_stripe_size(seq, n, False, window, wl, gl) == stripe
+    assert window_share(seq, window, wl, gl + 1) < WINDOW_SHARE_MIN
+    assert choose_stripe_size(seq, n, False, window, wl, gl + 1) == 1
+    # the Megatron flag on the same layers (the window ones first, then the full-attention ones)
+    args = _megatron_args(seq_length=seq, context_parallel_size=n, num_layers=wl + gl, window_size=(window, 0),
+                          window_attn_skip_freq=[1] * wl + [0] * gl)
+    import striped_sp.megatron as sm
+
+    assert sm.algo_of(args) == f"striped:stripe={stripe}"
+
+
 def test_bad_counts_are_value_errors():
     with pytest.raises(ValueError, match="seq_len=0"):
         choose_stripe_size(0, 8, False)

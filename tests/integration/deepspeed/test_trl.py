@@ -108,8 +108,21 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-def _case_sft(name, batch, ga, n_docs, longest, **sft):
-    """SFTTrainer at SP=2 against the per-document reference: loss and grad norm of every step."""
+def _eval_targets_per_rank(trainer):
+    """Per eval micro-batch, every rank's count of counted (not ignored) targets."""
+    counts = []
+    for batch in trainer.get_eval_dataloader():
+        labels = batch["shift_labels"] if "shift_labels" in batch else batch["labels"]
+        mine = (labels != -100).sum().reshape(1)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        counts.append([int(c) for c in every])
+    return counts
+
+
+def _case_sft(name, batch, ga, n_docs, longest, dev_lengths=None, **sft):
+    """SFTTrainer at SP=2 against the per-document reference: loss and grad norm of every step.
+    ``dev_lengths``: the evaluation documents' lengths (else 4 random ones)."""
     from accelerate.state import AcceleratorState
 
     from striped_sp.deepspeed.trl import ContextParallelSFTTrainer
@@ -117,6 +130,11 @@ def _case_sft(name, batch, ga, n_docs, longest, **sft):
     AcceleratorState._reset_state(True)  # one trainer after another in this process
     train = _documents(n_docs, seed=11, longest=longest)
     dev = _documents(4, seed=12, longest=longest) if sft.get("padding_free") else None
+    if dev_lengths is not None:
+        from datasets import Dataset
+
+        g = torch.Generator().manual_seed(12)
+        dev = Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in dev_lengths]})
     out = os.path.join(os.environ["STRIPED_SP_TEST_TMP"], name)
     trainer = ContextParallelSFTTrainer(model=_tiny_llama(attn="sdpa"), args=_config(out, batch, ga, **sft),
                                         train_dataset=train, eval_dataset=dev, processing_class=_tokenizer())
@@ -125,6 +143,10 @@ def _case_sft(name, batch, ga, n_docs, longest, **sft):
     if sft.get("packing"):
         assert max(len(r["seq_lengths"]) for r in rows) > 1, "no row holds two documents"
     dev_rows = [trainer.eval_dataset[i] for i in range(len(trainer.eval_dataset))] if dev is not None else None
+    if dev_lengths is not None:  # the case's point: the ranks count different numbers of targets
+        counts = _eval_targets_per_rank(trainer)
+        assert [len(r["input_ids"]) for r in dev_rows] == list(dev_lengths)
+        assert counts and all(a == 3 * b > 0 for a, b in counts), counts
     expected = [None]
     if dist.get_rank() == 0:  # the reference once, on one process
         ref, ref_losses, ref_norms = _reference(rows, batch, ga)
@@ -211,8 +233,16 @@ def _case_padding_free():
     _case_sft("padding_free", 3, 1, 12, 11, padding_free=True, max_length=None)
 
 
+def _case_eval_uneven_targets():
+    """The eval loss when the ranks hold different numbers of counted targets: micro-batches of a
+    2-token and a 4-token document make one padding-free row of 6, of whose 4 targets (the last
+    token of a document has none) the striped layout deals 3 to rank 0 and 1 to rank 1.  The
+    micro-batch's loss is the mean over its 4 targets, not the mean of the ranks' means."""
+    _case_sft("eval_uneven", 2, 1, 6, 7, dev_lengths=(2, 4, 2, 4), padding_free=True, max_length=None)
+
+
 CASES = [("setup", _setup, ()), ("errors", _case_errors, ()), ("packing_bfd", _case_packing, ()),
-         ("padding_free", _case_padding_free, ())]
+         ("padding_free", _case_padding_free, ()), ("eval_uneven_targets", _case_eval_uneven_targets, ())]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,38 @@ def test_flag_default_and_choices():
     assert sm.add_arguments(parser) is parser  # adding twice is a no-op
 
 
+STRIPED_FLAGS = ["--context-parallel-algo", "--striped-stripe-size", "--striped-doc-placement",
+                 "--context-parallel-timeout-s"]
+
+
+@pytest.mark.parametrize("present", [1, 2, 3])
+@pytest.mark.parametrize("into_group", [False, True])
+def test_flags_added_to_a_parser_that_has_some_of_them(present, into_group):
+    """A parser that already has ``--context-parallel-algo`` (the Megatron patch's own when
+    striped_sp was missing at that point, an older patch, a launch script's) still gets every flag
+    it lacks: its own definitions stay, ours are added, nothing conflicts, adding again is a no-op."""
+    parser = argparse.ArgumentParser()
+    target = parser.add_argument_group("distributed") if into_group else parser
+    own = STRIPED_FLAGS[:present]
+    for flag in own:
+        target.add_argument(flag, type=str, default="theirs")
+    assert sm.add_arguments(target) is target
+    assert sm.add_arguments(target) is target
+    argv = ["--context-parallel-algo", "striped", "--striped-stripe-size", "4", "--striped-doc-placement", "auto",
+            "--context-parallel-timeout-s", "9"]
+    ns = parser.parse_args(argv)
+    got = [ns.context_parallel_algo, ns.striped_stripe_size, ns.striped_doc_placement, ns.context_parallel_timeout_s]
+    ours = ["striped", 4, "auto", 9.0]  # parsed by our types
+    assert got == [str(x) if flag in own else x for flag, x in zip(STRIPED_FLAGS, ours)]
+    defaults = vars(parser.parse_args([]))
+    for flag in own:
+        assert defaults[flag[2:].replace("-", "_")] == "theirs", flag
+    ours_default = {"--striped-doc-placement": "split", "--context-parallel-timeout-s": None}
+    for flag, value in ours_default.items():
+        if flag not in own:
+            assert defaults[flag[2:].replace("-", "_")] == value, flag
+
+
 def test_chain_providers():
     def other(parser):
         parser.add_argument("--other", type=int, default=3)
