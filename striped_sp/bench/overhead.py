@@ -610,7 +610,8 @@ def register(modes) -> None:
                    help="tokens per rank (row = N x this; default 16k: 128k at N=8, 512k at N=32, 1M at N=64)")
     p.add_argument("--rows", type=names(ROWS), default=list(ROWS), help="row kinds: dense, packed, window")
     p.add_argument("--layouts", type=_layout_names, default=list(DEFAULT_LAYOUTS),
-                   help="layouts separated by spaces or ';' (parameters as bench sim: 'striped:stripe=512')")
+                   help="layouts separated by spaces or ';' (parameters as bench sim: 'striped:stripe=512'; "
+                        "default: " + "; ".join(DEFAULT_LAYOUTS) + ")")
     p.add_argument("--paths", type=names(("cpu", "cuda")), default=["cpu", "cuda"], help="cpu, cuda")
     p.add_argument("--device", choices=["auto", "meta", "cuda"], default="auto",
                    help="the cuda path's tensors: cuda (the GPU), meta (a dry run), auto: cuda when present")
