@@ -53,6 +53,14 @@ class CostModel:
         entries = rows * min(keys, rows / 2 + self.causal_waste) if causal else rows * keys
         return self.ns_per_entry * entries * (1 + self.small_rows / rows) + self.call_ns
 
+    def call_tensor(self, rows: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
+        """:meth:`call` element by element (float tensors of rows and keys; 0 where either is below
+        1), for the per-document predictions of :mod:`striped_sp.plan.doc_stripes`."""
+        rows = torch.clamp(rows, min=1e-9)
+        area = rows * torch.minimum(keys, rows / 2 + self.causal_waste) if causal else rows * keys
+        ns = self.ns_per_entry * area * (1 + self.small_rows / rows) + self.call_ns
+        return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
+
     def segments_ns(self, segs) -> float:
         """The summed forward time of a call's band segments
         (:class:`~striped_sp.kernels.segments.Segments`): the exact visible entries of each, plus

@@ -222,12 +222,6 @@ def _predict_doc(bounds: tuple, world_size: int, whole_max: int, model: CostMode
     ideal = float(entries.sum()) / world_size
     balance = float(entries.max(1).values.sum()) / ideal if ideal else 1.0
 
-    def call(rows, keys, causal):
-        rows = torch.clamp(rows, min=1e-9)
-        area = rows * torch.minimum(keys, rows / 2 + model.causal_waste) if causal else rows * keys
-        ns = model.ns_per_entry * area * (1 + model.small_rows / rows) + model.call_ns
-        return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
-
-    cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: call(m, m, True),
-                                 lambda q, k: call(q, k, False))
+    cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: model.call_tensor(m, m, True),
+                                 lambda q, k: model.call_tensor(q, k, False))
     return {"balance": balance, "ms": float(cost.max(1).values.sum()) / 1e6}

@@ -88,20 +88,11 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
 def _doc_steps(bounds, world_size, whole_max, model):
     _, kept, split, counts = doc_stripes.place(bounds, world_size, whole_max)
     lengths = _lengths(bounds)
-    cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: _call(model, m, m, True),
-                                 lambda q, k: _call(model, q, k, False))
+    cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: model.call_tensor(m, m, True),
+                                 lambda q, k: model.call_tensor(q, k, False))
     private = [sum(lengths[d] for d in docs) for docs in kept]
     compute = cost.max(1).values.tolist()
     return (compute if split else compute[:1]), private
-
-
-def _call(model: CostModel, rows, keys, causal: bool):
-    import torch
-
-    rows = torch.clamp(rows, min=1e-9)
-    area = rows * torch.minimum(keys, rows / 2 + model.causal_waste) if causal else rows * keys
-    ns = model.ns_per_entry * area * (1 + model.small_rows / rows) + model.call_ns
-    return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
 
 
 def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: CostModel | str | None = None,
