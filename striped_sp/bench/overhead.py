@@ -348,6 +348,7 @@ class _Layer:
         self.strict = strict_block_mode(self.kernel, device, dtype, d, applies=(
             request.layout.strict_block and request.causal and request.bounds is None and request.window is None))
         self.scale = d ** -0.5
+        self.heads = cfg.heads
         self.comm = accumulator_dtype(dtype)
         self.transport = TorchTransport(group, ring_timeout())
         shape = (1, local, cfg.heads, d)
@@ -357,7 +358,7 @@ class _Layer:
     def plan(self):
         return plan_for(self.request.layout, self.mask, self.request.causal, self.n, 0, self.local, kernel=self.kernel,
                         scale=self.scale, comm_dtype=self.comm, strict_block=self.strict, device=self.device,
-                        dtype=self.dtype, head_dim=self.d, batch=1)
+                        dtype=self.dtype, head_dim=self.d, batch=1, heads=self.heads)
 
     def run(self, counter: HostWork | None = None):
         if counter is not None:
@@ -381,7 +382,7 @@ def _plan_times(request: RingRequest, seq: int, n: int, path: _Path, cfg: Overhe
         host = request.prepare(seq, world_size=n, rank=0)
         t1 = clock()
         compile_plan(host, kernel=path.kernel, scale=cfg.head_dim ** -0.5, comm_dtype=accumulator_dtype(path.dtype),
-                     device=device, dtype=path.dtype, head_dim=cfg.head_dim, batch=1)
+                     device=device, dtype=path.dtype, head_dim=cfg.head_dim, batch=1, heads=cfg.heads)
         _sync(device)
         t2 = clock()
         if rep:

@@ -84,7 +84,8 @@ def profiled_step(q, k, v, dout, group, layout, kernel, clock):
     strict = _step.strict_block_mode(kernel, q.device, q.dtype, q.size(-1),
                                      applies=lay.name == "striped" and mask is None)
     plan = build_ring_plan(lay, mask, True, n, transport.rank, q.size(1), kernel=kernel, scale=q.size(-1) ** -0.5,
-                           strict_block=strict, device=q.device, dtype=q.dtype, head_dim=q.size(-1), batch=q.size(0))
+                           strict_block=strict, device=q.device, dtype=q.dtype, head_dim=q.size(-1), batch=q.size(0),
+                           heads=q.size(2))
     # compiled for the kernel itself, its calls timed
     plan = dataclasses.replace(plan, kernel=_TimedKernel(kernel, clock))
     t0 = time.perf_counter()

@@ -144,7 +144,7 @@ def ring_plans(cfg: SimConfig, request: RingRequest, world_size: int, local_len:
     """Every rank's plan for ``request`` (built once, reused by every run), with the strict block
     form of ``cfg`` (``ValueError`` for ``"aligned"`` on a kernel that cannot run it)."""
     plans = local_plans(request, world_size, local_len, device=cfg.device, dtype=cfg.dtype, head_dim=cfg.head_dim,
-                        scale=cfg.head_dim ** -0.5, batch=cfg.batch, kernel=kernel)
+                        scale=cfg.head_dim ** -0.5, batch=cfg.batch, kernel=kernel, heads=cfg.heads)
     dense_striped = request.layout.strict_block and not plans[0].masked and request.causal
     if strict_block_mode(kernel, cfg.device, cfg.dtype, cfg.head_dim, cfg.strict_block,
                          applies=dense_striped) == "aligned":

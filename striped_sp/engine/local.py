@@ -45,7 +45,7 @@ class Simulation:
 
 
 def local_plans(request: RingRequest, world_size: int, local_len: int, *, device, dtype, head_dim: int,
-                scale: float, batch: int = 1, kernel=None) -> list[RingPlan]:
+                scale: float, batch: int = 1, kernel=None, heads: int = 1) -> list[RingPlan]:
     """Every rank's plan of a ring of ``world_size`` for ``request`` (its layout, or its grouped
     layout under Ulysses, where ``world_size`` is the outer ring's and ``local_len`` a member's
     gathered tokens)."""
@@ -56,7 +56,7 @@ def local_plans(request: RingRequest, world_size: int, local_len: int, *, device
     layout = GroupedLayout(request.layout, u) if request.hierarchical else request.layout
     comm = request.grad_comm_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
     return [build_ring_plan(layout, mask, request.causal, world_size, r, local_len, kernel=kernel, scale=scale,
-                            comm_dtype=comm, device=device, dtype=dtype, head_dim=head_dim, batch=batch)
+                            comm_dtype=comm, device=device, dtype=dtype, head_dim=head_dim, batch=batch, heads=heads)
             for r in range(world_size)]
 
 
@@ -90,7 +90,8 @@ def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = Tr
         d_call = padded[0][0].size(-1)
         plan_i = plans[i] if plans is not None else local_plans(
             request, n // u, members[0][0].size(1), device=q.device, dtype=q.dtype, head_dim=d_call,
-            scale=request.softmax_scale or q.size(-1) ** -0.5, batch=q.size(0), kernel=kernel)
+            scale=request.softmax_scale or q.size(-1) ** -0.5, batch=q.size(0), kernel=kernel,
+            heads=members[0][0].size(2))
         ring = LocalRing(n // u, copy=copy)
         tick = None if clock is None else (lambda r, t, s, i=i: clock(i, r, t, s))
         fwd = run_local([forward_steps(*padded[r], plan_i[r], ring.transports[r]) for r in range(n // u)], tick)

@@ -66,13 +66,13 @@ def host_plan_for(layout, mask: MaskSpec | None, causal: bool, world_size: int, 
 
 def plan_for(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *, kernel,
              scale: float, comm_dtype=torch.float32, strict_block: str = "sliced", device="cpu",
-             dtype=torch.float32, head_dim: int | None = None, batch: int = 1) -> RingPlan:
+             dtype=torch.float32, head_dim: int | None = None, batch: int = 1, heads: int = 1) -> RingPlan:
     """The cached plan of one rank for one batch: its :func:`host_plan_for` (built ahead by
     :func:`prepare_plans`, or here) compiled for the kernel and device."""
     device = torch.device(device)
     key = (layout.key, mask, causal, world_size, rank, local_len, kernel, scale, comm_dtype, strict_block,
-           device, dtype, head_dim, batch if mask is not None else None)
+           device, dtype, head_dim, (batch, heads) if mask is not None else None)
     return PLANS.get(key, lambda: compile_plan(
         host_plan_for(layout, mask, causal, world_size, rank, local_len), kernel=kernel, scale=scale,
         comm_dtype=comm_dtype, strict_block=strict_block, device=device, dtype=dtype, head_dim=head_dim,
-        batch=batch))
+        batch=batch, heads=heads))

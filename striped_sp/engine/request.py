@@ -189,7 +189,8 @@ class RingRequest:
         """The batch's plan for this rank, from the plan cache (built on the first layer that asks)."""
         return plan_for(layout, call.mask, self.causal, transport.world_size, transport.rank, q.size(1),
                         kernel=call.kernel, scale=call.scale, comm_dtype=call.comm, strict_block=call.strict_block,
-                        device=q.device, dtype=q.dtype, head_dim=max(q.size(-1), v.size(-1)), batch=q.size(0))
+                        device=q.device, dtype=q.dtype, head_dim=max(q.size(-1), v.size(-1)), batch=q.size(0),
+                        heads=q.size(2))
 
     def _prepare(self, q, k, v, group) -> _Call:
         """Every check of one call (nothing sent); the shape-dependent results cached."""

@@ -27,7 +27,8 @@ Packed documents and sliding windows add two entry points (:mod:`striped_sp.kern
     function (flash-attn, PyTorch's CUDA flash op) run it once per window class; the others cover
     the segments with direct calls and batched masked calls (:mod:`striped_sp.kernels.schedule`):
 ``forward_masked(q, k, v, mask, scale)`` / ``backward_masked(dout, q, k, v, out, lse, mask, scale)``
-    ``mask``: bool ``[batch or 1, 1, seq_q, seq_k]``, True = visible; every row sees a key.
+    ``mask``: bool ``[batch or 1, 1, seq_q, seq_k]``, True = visible; every row sees a key; or
+    what :meth:`Kernel.compile_mask` made of one.
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ class Kernel:
     def varlen_unavailable_reason(self) -> str | None:
         """``None`` when :meth:`forward_varlen` / :meth:`backward_varlen` run, else why not."""
         return None
+
+    def compile_mask(self, mask: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The form of a bool ``mask`` that :meth:`forward_masked` / :meth:`backward_masked` take
+        fastest on ``device`` with inputs of ``dtype``, built once per batch when a program is
+        compiled (default: the bool mask itself)."""
+        return mask
 
     def forward_masked(self, q, k, v, mask, scale: float):
         raise NotImplementedError(f"backend {self.name!r} has no masked attention call")

@@ -7,9 +7,11 @@ every one a single kernel call whose rows all see at least one key; the executor
 by several pieces:
 
 * **direct**: one plain call on slices: a large full rectangle, or a causal square.  A large
-  causal square is halved recursively into causal triangles of at most ``2 * LEAF`` rows and full
-  rectangles, because fused CPU kernels skip masked keys only in wide tiles (512 on this CPU), so
-  a causal call of a few hundred rows costs almost its full square;
+  causal square may be halved recursively into causal triangles of at most ``2 * LEAF`` rows and
+  full rectangles, because fused CPU kernels skip masked keys only in wide tiles (512 on this CPU),
+  so a causal call of a few hundred rows costs almost its full square.  Each halving adds two
+  calls: given a price (the plan's cost model for the compiled heads, plus the host time of a
+  call), a square is halved only where that pays (:func:`halving_rule`); without one, always;
 * **class**: one batched call over many items with a mask.  Long bands (sliding windows) are cut
   into tiles of ``TILE`` rows; a tile whose band is wide becomes a left edge, a dense middle and a
   right edge, so that only the edges carry a mask.  Items of one shape and band share a single
@@ -28,7 +30,7 @@ import torch
 
 from .segments import INF, Segments, _ranges
 
-__all__ = ["TILE", "LEAF", "Direct", "Batch", "Schedule", "schedule"]
+__all__ = ["TILE", "LEAF", "Direct", "Batch", "Schedule", "schedule", "halving_rule"]
 
 #: query rows per tile of a long band (and the largest pack class)
 TILE = 128
@@ -91,14 +93,40 @@ def _expand(lengths: torch.Tensor):
     return item, torch.arange(item.numel()) - _excl_cumsum(lengths)[item]
 
 
-def _halve_causal(q0: int, k0: int, m: int, out: list) -> None:
-    """Cover the causal square of ``m`` rows at (q0, k0) with small triangles and rectangles."""
-    if m < 2 * LEAF:
+def halving_rule(price, call_ns: float):
+    """``halve(m)``: whether a causal square of ``m`` rows is cheaper halved (two squares of half
+    the rows, each in turn as cheap as it gets, and one full rectangle) than called whole.
+    ``price(rows, keys, causal)``: one call's kernel time (ns); ``call_ns``: what one more call
+    costs beside it (its host work)."""
+    memo: dict = {}
+
+    def best(m: int) -> float:
+        if m not in memo:
+            whole = price(m, m, True)
+            if m < 2 * LEAF:
+                memo[m] = (whole, False)
+            else:
+                h = m // 2
+                split = best(h) + best(m - h) + price(m - h, h, False) + 2 * call_ns
+                memo[m] = (min(whole, split), split < whole)
+        return memo[m][0]
+
+    def halve(m: int) -> bool:
+        best(m)
+        return memo[m][1]
+
+    return halve
+
+
+def _halve_causal(q0: int, k0: int, m: int, out: list, halve=None) -> None:
+    """Cover the causal square of ``m`` rows at (q0, k0) with triangles and rectangles, halving
+    while ``halve(rows)`` says so (``None``: down to squares under ``2 * LEAF`` rows)."""
+    if m < 2 * LEAF or (halve is not None and not halve(m)):
         out.append(Direct(q0, q0 + m, k0, k0 + m, True))
         return
     h = m // 2
-    _halve_causal(q0, k0, h, out)
-    _halve_causal(q0 + h, k0 + h, m - h, out)
+    _halve_causal(q0, k0, h, out, halve)
+    _halve_causal(q0 + h, k0 + h, m - h, out, halve)
     out.append(Direct(q0 + h, q0 + m, k0, k0 + h, False))
 
 
@@ -258,9 +286,10 @@ def _dense_pieces(q0, lq, k0, lk, direct: list) -> list:
     return batches
 
 
-def schedule(segs: Segments) -> Schedule:
+def schedule(segs: Segments, halve=None) -> Schedule:
     """The pieces that cover ``segs`` (compiled once per batch into a
-    :class:`~striped_sp.kernels.varlen.ScheduledCall`)."""
+    :class:`~striped_sp.kernels.varlen.ScheduledCall`); ``halve``: a :func:`halving_rule` (``None``:
+    causal squares are halved down to the smallest)."""
     lq, lk = segs.lq, segs.lk
     lo, hi = segs.offsets()
     q0, k0 = segs.q_start, segs.k_start
@@ -271,7 +300,7 @@ def schedule(segs: Segments) -> Schedule:
     for a, n, c, m, cz in zip(q0[direct_sel].tolist(), lq[direct_sel].tolist(), k0[direct_sel].tolist(),
                               lk[direct_sel].tolist(), causal[direct_sel].tolist()):
         if cz:
-            _halve_causal(a, c, n, direct)
+            _halve_causal(a, c, n, direct, halve)
         else:
             direct.append(Direct(a, a + n, c, c + m, False))
     rest = ~direct_sel

@@ -34,7 +34,10 @@ def _cpu_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
     """0 where ``mask`` is True, -inf elsewhere, in ``dtype``; the last dim's storage padded to a
-    multiple of ``align`` (the CUDA memory-efficient op needs aligned bias rows)."""
+    multiple of ``align`` (the CUDA memory-efficient op needs aligned bias rows).  A mask that is
+    additive already (:meth:`TorchKernel.compile_mask`) is returned as it is."""
+    if mask.dtype == dtype:
+        return mask
     lk = mask.size(-1)
     padded = -(-lk // align) * align
     bias = torch.zeros(*mask.shape[:-1], padded, dtype=dtype, device=mask.device)
@@ -264,6 +267,14 @@ class TorchKernel(Kernel):
                    for got, want in results for g, w in zip(got, want))
 
     # -- masks and varlen (packed documents, sliding windows) ------------------------------
+    def compile_mask(self, mask, device, dtype):
+        """On the CPU the op's additive mask in ``dtype``, built once per batch instead of per call
+        (4 or 2 bytes per entry instead of 1).  On CUDA the bool mask: the efficient op wants its
+        bias rows at aligned strides, which a packed plan buffer does not keep."""
+        if torch.device(device).type != "cpu" or mask.dtype != torch.bool:
+            return mask
+        return _additive_mask(mask, dtype).contiguous()
+
     def forward_masked(self, q, k, v, mask, scale):
         if _uses_cpu_op(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

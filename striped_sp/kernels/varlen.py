@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from .direct import backward_groups, direct_groups, forward_groups
 from .merge import merge_block_safe as _merge
 from .schedule import TILE, Batch, schedule
 from .segments import Segments, _ranges
@@ -88,7 +89,7 @@ class _Batch:
     cq: int
     ck: int
     strided: tuple | None
-    mask: Slot | None          # bool [b * packs or 1, 1, cq, ck] (None: dense)
+    mask: Slot | None          # [b * packs or 1, 1, cq, ck], bool or the kernel.compile_mask form (None: dense)
     q_index: Slot | None        # [packs * cq] local rows gathered (None when strided)
     k_index: Slot | None
     q_real: Slot | None         # slots of real rows (None: all)
@@ -102,10 +103,12 @@ def _v(slot: Slot | None):
     return None if slot is None else slot.t
 
 
-def _compile_batch(p: Batch, b: int, arena: Arena) -> _Batch:
+def _compile_batch(p: Batch, b: int, arena: Arena, mask_form) -> _Batch:
     mask = p.mask
     if mask is not None and b > 1 and mask.size(0) > 1:
         mask = mask.unsqueeze(0).expand(b, *mask.shape).reshape(b * p.packs, 1, p.cq, p.ck)
+    if mask is not None:
+        mask = mask_form(mask)
     strided = p.strided if b == 1 else None
     if strided is not None:
         return _Batch(p.packs, p.cq, p.ck, strided, arena.add(mask), *([None] * 7))
@@ -122,12 +125,15 @@ def _compile_batch(p: Batch, b: int, arena: Arena) -> _Batch:
 
 class ScheduledCall:
     """A varlen call for kernels without a varlen entry point: direct calls on slices and batched
-    masked calls (:func:`~striped_sp.kernels.schedule.schedule`), compiled for batch size ``b``."""
+    masked calls (:func:`~striped_sp.kernels.schedule.schedule`), compiled for batch size ``b`` and
+    ``nq`` local query rows; the direct calls in groups merged at once (:mod:`~striped_sp.kernels.direct`)."""
 
-    def __init__(self, segs: Segments, b: int, arena: Arena):
-        plan = schedule(segs)
+    def __init__(self, segs: Segments, b: int, arena: Arena, nq: int, nk: int, halve=None, mask_form=None):
+        plan = schedule(segs, halve)
         self.direct = plan.direct
-        self.batches = [_compile_batch(p, b, arena) for p in plan.batches]
+        self.groups = direct_groups(plan.direct, b, nq, nk, arena)
+        form = mask_form or (lambda m: m)
+        self.batches = [_compile_batch(p, b, arena, form) for p in plan.batches]
 
     def launches(self) -> int:
         """Kernel calls per forward (the same per backward)."""
@@ -135,9 +141,7 @@ class ScheduledCall:
 
     def forward(self, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
         b, _, h, _ = q.shape
-        for p in self.direct:
-            o, l = kernel.forward(q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1], p.causal, scale)
-            _merge(acc_out[:, p.q0:p.q1], acc_lse[:, :, p.q0:p.q1], o, l)
+        forward_groups(self.groups, kernel, q, k, v, scale, acc_out, acc_lse)
         for p in self.batches:
             mask = _v(p.mask)
             if p.strided is not None:
@@ -153,12 +157,7 @@ class ScheduledCall:
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
         b, _, h, d = q.shape
-        for p in self.direct:
-            g = kernel.backward(dout[:, p.q0:p.q1], q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1],
-                                out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], p.causal, scale)
-            dq[:, p.q0:p.q1] += g[0]
-            dk[:, p.k0:p.k1] += g[1]
-            dv[:, p.k0:p.k1] += g[2]
+        backward_groups(self.groups, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv)
         for p in self.batches:
             mask = _v(p.mask)
             if p.strided is not None:
@@ -335,12 +334,13 @@ class NativeCall:
 
 
 def compile_call(kernel, segs: Segments, b: int, nq: int, nk: int, device, dtype, head_dim: int | None,
-                 arena: Arena) -> "ScheduledCall | NativeCall":
+                 arena: Arena, halve=None) -> "ScheduledCall | NativeCall":
     """The program of one varlen call for ``kernel`` on ``device`` / ``dtype`` (its slots in
-    ``arena``, placed by the caller)."""
+    ``arena``, placed by the caller); ``halve``: the schedule's
+    :func:`~striped_sp.kernels.schedule.halving_rule` (kernels without a varlen entry point)."""
     if kernel.native_varlen(torch.device(device), dtype, head_dim):
         return NativeCall(segs, b, nq, nk, arena)
-    return ScheduledCall(segs, b, arena)
+    return ScheduledCall(segs, b, arena, nq, nk, halve, lambda m: kernel.compile_mask(m, torch.device(device), dtype))
 
 
 def as_program(kernel, call, q: torch.Tensor, k: torch.Tensor):

@@ -46,6 +46,9 @@ class CostModel:
     #: whether a transfer runs beside the compute (GPU copy engines) or takes its time from it (CPU
     #: ranks, whose cores run gloo's copies too)
     overlaps_transfer: bool = True
+    #: host time of one more kernel call in a scheduled varlen program, one pass (its slices, its
+    #: dispatch, its share of the merge), whatever the heads: what a schedule's extra call costs
+    host_ns_per_call: float = 25_000.0
 
     def call(self, rows: float, keys: float, causal: bool) -> float:
         if rows <= 0 or keys <= 0:

@@ -27,6 +27,7 @@ import dataclasses
 
 import torch
 
+from ..kernels.schedule import halving_rule
 from ..kernels.varlen import Arena, compile_call
 from .cost import model_for_kernel
 from .masks import MaskSpec, ring_plans, shared_rows
@@ -112,11 +113,21 @@ def _predicted_ms(host: HostPlan, model) -> tuple:
     return tuple(out)
 
 
+def _halving(model, heads: int, batch: int, head_dim: int | None):
+    """The schedule's halving rule for calls of ``batch`` x ``heads`` heads of ``head_dim``: the
+    model's kernel time of both passes (its table is per head of 64) against the host time of the
+    two more calls, each forward and backward, that one halving makes."""
+    work = max(heads, 1) * max(batch, 1) * (head_dim or 64) / 64
+    passes = 1 + model.backward_factor
+    return halving_rule(lambda rows, keys, causal: model.call(rows, keys, causal) * work * passes,
+                        2 * model.host_ns_per_call)
+
+
 def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtype = torch.float32,
                  strict_block: str = "sliced", device="cpu", dtype=torch.float32, head_dim: int | None = None,
-                 batch: int = 1) -> RingPlan:
-    """``host`` compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim`` and ``batch`` rows:
-    masked plans get their programs, placed on the device with one copy."""
+                 batch: int = 1, heads: int = 1) -> RingPlan:
+    """``host`` compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim`` and ``batch`` rows
+    of ``heads`` query heads: masked plans get their programs, placed on the device with one copy."""
     device = torch.device(device)
     model = model_for_kernel(kernel.name, device.type)
     cost = dict(predicted_ms=_predicted_ms(host, model),
@@ -127,8 +138,9 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
                         masked=False, **cost)
     arena = Arena()
     n = host.local_len
-    programs = tuple(tuple(compile_call(kernel, c.segments, batch, n, n, device, dtype, head_dim, arena) for c in step)
-                     for step in host.calls)
+    halve = _halving(model, heads, batch, head_dim)
+    programs = tuple(tuple(compile_call(kernel, c.segments, batch, n, n, device, dtype, head_dim, arena, halve)
+                           for c in step) for step in host.calls)
     arena.place(device)
     return RingPlan(host.world_size, host.rank, n, host.steps, host.calls, host.shared, "bshd", False, host.entries,
                     kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena, **cost)
@@ -136,11 +148,12 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
 
 def build_ring_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *,
                     kernel, scale: float, comm_dtype: torch.dtype = torch.float32, strict_block: str = "sliced",
-                    device="cpu", dtype=torch.float32, head_dim: int | None = None, batch: int = 1) -> RingPlan:
+                    device="cpu", dtype=torch.float32, head_dim: int | None = None, batch: int = 1,
+                    heads: int = 1) -> RingPlan:
     """The plan of ``rank`` of ``world_size`` for one batch: ``mask`` ``None`` for the dense ring
     (plain causal or full attention on a layout with dense plans), else the checked mask of the
     global row.  Masked plans are compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim``
-    and ``batch`` rows, and placed on the device once."""
+    and ``batch`` rows of ``heads`` query heads, and placed on the device once."""
     return compile_plan(build_host_plan(layout, mask, causal, world_size, rank, local_len), kernel=kernel,
                         scale=scale, comm_dtype=comm_dtype, strict_block=strict_block, device=device, dtype=dtype,
-                        head_dim=head_dim, batch=batch)
+                        head_dim=head_dim, batch=batch, heads=heads)

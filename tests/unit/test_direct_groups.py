@@ -1,0 +1,171 @@
+"""The scheduled varlen path's direct calls: their grouped merge (slices, distinct rows, rows
+covered by several pieces) against a float64 reference, the halving rule that decides how many
+pieces a causal square becomes, the host ops per piece, and masks compiled once per batch."""
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from striped_sp.kernels import KERNELS
+from striped_sp.kernels import direct
+from striped_sp.kernels.schedule import halving_rule, schedule
+from striped_sp.kernels.segments import Segments
+from striped_sp.kernels.varlen import Arena, compile_call
+from striped_sp.plan.cost import COST_MODELS
+from striped_sp.plan.ring_plan import _halving
+
+SCALE = 0.25
+
+
+def _segments(docs, causal=True, gap=0):
+    """One segment per document length, every one causal (or full), ``gap`` rows between them."""
+    lq = torch.tensor(docs)
+    starts = torch.cumsum(lq + gap, 0) - lq - gap
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lq, 0)])
+    wr = torch.zeros(len(docs), dtype=torch.int64) if causal else torch.full((len(docs),), -1)
+    return Segments(cu, cu, torch.full((len(docs),), -1), wr, starts, starts)
+
+
+def _reference(q, k, v, segs):
+    """float64 per-segment attention (top-left causal squares or full), 0 / -inf elsewhere."""
+    g = q.size(2) // k.size(2)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.size(0), q.size(2), q.size(1)), float("-inf"), dtype=torch.float64)
+    for t in range(len(segs)):
+        a, n = int(segs.q_start[t]), int(segs.lq[t])
+        s = torch.einsum("bqhd,bkhd->bhqk", q[:, a:a + n].double(),
+                         k[:, a:a + n].double().repeat_interleave(g, 2)) * SCALE
+        if int(segs.wr[t]) == 0:
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        rows = torch.arange(a, a + n)
+        lse = lse.index_copy(2, rows, torch.logsumexp(s, -1))
+        out = out.index_copy(1, rows, torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1),
+                                                   v[:, a:a + n].double().repeat_interleave(g, 2)))
+    return out, lse
+
+
+def _run_program(kernel, program, q, k, v, dout):
+    acc = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full((q.size(0), q.size(2), q.size(1)), float("-inf"))
+    kernel.forward_varlen(q, k, v, program, SCALE, acc, lse)
+    out = acc.to(q.dtype)
+    grads = [torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v)]
+    kernel.backward_varlen(dout, q, k, v, out, lse, program, SCALE, *grads)
+    return (out, lse, *grads)
+
+
+def _err(x, ref):
+    x, ref = x.detach().double(), ref.detach().double()
+    diff = torch.where(torch.isinf(ref) & (x == ref), torch.zeros_like(x), x - ref)
+    return float(diff.abs().max()) / max(1.0, float(ref[~torch.isinf(ref)].abs().max()))
+
+
+def _compiled(kernel, segs, b, n, halve):
+    arena = Arena()
+    program = compile_call(kernel, segs, b, n, n, "cpu", torch.float32, 16, arena, halve)
+    arena.place("cpu")
+    return program
+
+
+NEVER = halving_rule(lambda r, k, c: 1.0, 1e9)  # one more call never pays: squares stay whole
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+@pytest.mark.parametrize("case", ["span", "distinct", "repeated", "batch2"])
+def test_grouped_merge_matches_float64(backend, case, seed, monkeypatch):
+    """Every merge form of a direct group: the rows one range (slices), distinct rows with gaps,
+    rows covered by several pieces (a halved causal square: the scatter log-sum-exp), two batch
+    rows; with groups cut small so that a row's pieces span several groups."""
+    kernel = KERNELS[backend]
+    docs, gap, halve, b = {"span": ([130, 140, 129, 150], 0, NEVER, 1), "distinct": ([130, 140, 129, 150], 3, NEVER, 1),
+                           "repeated": ([600, 300], 2, None, 1), "batch2": ([600, 140], 1, None, 2)}[case]
+    monkeypatch.setattr(direct, "_budget", lambda nq: 300)
+    segs = _segments(docs, gap=gap)
+    n = int(segs.q_start[-1] + segs.lq[-1]) + gap
+    program = _compiled(kernel, segs, b, n, halve)
+    forms = {"span" if g.span else "repeated" if g.inverse is not None else "distinct" for g in program.groups}
+    want = {"span": {"span"}, "distinct": {"distinct"}}.get(case)
+    assert (forms == want) if want else ("repeated" in forms), forms
+    assert len(program.groups) > 1 and not program.batches
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(b, n, 4, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, n, 2, 16, generator=gen) for _ in range(2))
+    got = _run_program(kernel, program, q, k, v, dout)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _reference(qr, kr, vr, segs)
+    (ref * dout.double()).sum().backward()
+    for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got, (ref, ref_lse, qr.grad, kr.grad, vr.grad)):
+        assert _err(x, want) < 1e-5, name
+    # merged into accumulators that hold a result already (a ring's later steps): a softmax-weighted
+    # mean with it, whichever of the two log-sum-exps is larger
+    rows = ~torch.isinf(ref_lse)
+    prior = torch.randn(q.shape[:-1] + (16,), generator=gen, dtype=torch.float64)
+    prior_lse = torch.where(rows, ref_lse.detach() + torch.randn(ref_lse.shape, generator=gen, dtype=torch.float64),
+                            ref_lse.detach())
+    acc, lse = prior.float(), prior_lse.float()
+    kernel.forward_varlen(q, k, v, program, SCALE, acc, lse)
+    both = torch.logaddexp(prior_lse, ref_lse.detach())
+    w = torch.where(rows, torch.exp(prior_lse - both), torch.ones_like(both)).transpose(1, 2).unsqueeze(-1)
+    want = prior * w + ref.detach() * (1 - w)
+    assert _err(acc, want) < 1e-5 and _err(lse, both) < 1e-5
+
+
+def test_halving_follows_the_price():
+    """A causal square is halved where the kernel time saved beats the host time of the extra
+    calls: at 32 heads of 128 on the CPU model, not at 1 head of 8; without a rule, always."""
+    segs = _segments([1024])
+    cpu = COST_MODELS["cpu"]
+    pieces = {name: len(schedule(segs, rule).direct) for name, rule in
+              (("always", None), ("big", _halving(cpu, 32, 1, 128)), ("tiny", _halving(cpu, 1, 1, 8)))}
+    assert pieces["always"] == 15 and pieces["tiny"] == 1 and pieces["big"] > 1, pieces
+    # the rule compares like with like: a free extra call halves as far as the model gains
+    free = halving_rule(lambda r, k, c: cpu.call(r, k, c), 0.0)
+    assert len(schedule(segs, free).direct) > 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func).split(".")[1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_ops_per_piece_are_few():
+    """Forward + backward of a program of many whole causal documents (one piece each): about 4
+    ops per piece forward and 8 backward (the slices, the kernel, the lse for the backward op),
+    the merge and the gradient adds once per group, not once per piece."""
+    kernel = KERNELS["torch"]
+    docs = [130 + 3 * i for i in range(40)]  # each at least the direct size, distinct lengths
+    segs = _segments(docs, gap=1)
+    n = int(segs.q_start[-1] + segs.lq[-1])
+    program = _compiled(kernel, segs, 1, n, NEVER)
+    assert len(program.direct) == len(docs) and len(program.groups) == 1
+    q, k, v, dout = (torch.randn(1, n, 2, 16) for _ in range(4))
+    with _Ops() as ops:
+        _run_program(kernel, program, q, k, v, dout)
+    kernels = ops.ops["_scaled_dot_product_flash_attention_for_cpu"] + \
+        ops.ops["_scaled_dot_product_flash_attention_for_cpu_backward"]
+    assert kernels == 2 * len(docs)
+    other = sum(ops.ops.values()) - kernels
+    assert other <= 12 * len(docs) + 60, (other, ops.ops.most_common(8))
+
+
+def test_masks_are_compiled_once():
+    """Batched masked calls on the CPU get their additive mask at compile time: running the
+    program builds none (no masked_fill), and the result is exact."""
+    kernel = KERNELS["torch"]
+    segs = _segments([20, 33, 41, 17, 60, 12], gap=1)  # short documents: packs with a mask
+    n = int(segs.q_start[-1] + segs.lq[-1])
+    program = _compiled(kernel, segs, 1, n, None)
+    assert program.batches and all(p.mask is not None and p.mask.t.dtype == torch.float32 for p in program.batches)
+    q, k, v, dout = (torch.randn(1, n, 2, 16) for _ in range(4))
+    with _Ops() as ops:
+        got = _run_program(kernel, program, q, k, v, dout)
+    assert ops.ops["masked_fill_"] == 0 and ops.ops["masked_fill"] == 0
+    ref, _ = _reference(q, k, v, segs)
+    assert _err(got[0], ref) < 1e-5
