@@ -63,8 +63,12 @@ class Segments:
         return int(self.segment_entries().sum())
 
     def segment_entries(self) -> torch.Tensor:
-        """Visible score entries of each segment (int64 ``[segments]``), in closed form."""
-        return _band_entries(self.lq, self.lk, *self.offsets())
+        """Visible score entries of each segment (int64 ``[segments]``), in closed form; computed
+        once (a plan counts them, and its cost model prices them)."""
+        cached = self.__dict__.get("_entries")
+        if cached is None:
+            cached = self.__dict__["_entries"] = _band_entries(self.lq, self.lk, *self.offsets())
+        return cached
 
     def dense_mask(self) -> torch.Tensor:
         """Boolean ``[total_q, total_k]`` mask of the call (for references and small calls)."""

@@ -297,8 +297,7 @@ class Striped(Layout):
             return [(0, rank, seq_len // world_size)]
         from .search import placed_runs
 
-        bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
-        return placed_runs(bounds, world_size, self.stripe_size, self.doc_placement)[rank]
+        return placed_runs(_bounds(seq_len, cu_seqlens), world_size, self.stripe_size, self.doc_placement)[rank]
 
     def causal_plan(self, rank, source, world_size, local_len):
         if self.stripe_size not in (1, "auto"):
@@ -322,6 +321,16 @@ LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (Striped, Zigzag, Conti
 #: the adapters' algorithm names (``--context-parallel-algo``, the DeepSpeed section's ``algo``,
 #: ``DistributedAttention(layout=)``) -> the layout they run: ``ring`` is ``contiguous``
 ALGOS: dict[str, str] = {"striped": "striped", "zigzag": "zigzag", "ring": "contiguous"}
+
+
+def _bounds(seq_len: int, cu_seqlens) -> tuple:
+    """Document bounds as a tuple of ints (the placement cache's key); a tuple of ints as it is
+    (a mask's bounds, asked for by every run table of a plan)."""
+    if cu_seqlens is None:
+        return (0, seq_len)
+    if type(cu_seqlens) is tuple and all(type(b) is int for b in (cu_seqlens[0], cu_seqlens[-1])):
+        return cu_seqlens
+    return tuple(int(b) for b in cu_seqlens)
 
 
 def _parse_params(text: str) -> dict:
