@@ -105,6 +105,6 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.int64)
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    offs = torch.cumsum(lengths, 0) - lengths
-    return starts[seg] + (torch.arange(total) - offs[seg])
+    # row j of segment t is starts[t] + (j - offs[t]): one repeat of the per-segment shift
+    shift = starts - (torch.cumsum(lengths, 0) - lengths)
+    return torch.arange(total) + torch.repeat_interleave(shift, lengths, output_size=total)

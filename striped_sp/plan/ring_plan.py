@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from ..kernels.schedule import halving_rule
-from ..kernels.varlen import Arena, compile_call
+from ..kernels.varlen import Arena, compile_steps
 from .cost import model_for_kernel
 from .masks import MaskSpec, ring_plans, shared_rows
 
@@ -139,8 +139,8 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
     arena = Arena()
     n = host.local_len
     halve = _halving(model, heads, batch, head_dim)
-    programs = tuple(tuple(compile_call(kernel, c.segments, batch, n, n, device, dtype, head_dim, arena, halve)
-                           for c in step) for step in host.calls)
+    programs = compile_steps(kernel, [[c.segments for c in step] for step in host.calls], batch, n, n, device, dtype,
+                             head_dim, arena, halve)
     arena.place(device)
     return RingPlan(host.world_size, host.rank, n, host.steps, host.calls, host.shared, "bshd", False, host.entries,
                     kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena, **cost)

@@ -199,6 +199,22 @@ def test_flash_attn_varlen_adapter_plumbing(monkeypatch):
     _check_against_reference(q, k, v, dout, segs, got)
 
 
+def test_flash_attn_varlen_spans(monkeypatch):
+    """Documents back to back (a striped row): each window class's rows are one range, so the
+    native call takes slices and merges into slices, no gather; still exact, forward and backward."""
+    calls = []
+    _install_fake_varlen_flash_attn(monkeypatch, calls)
+    lens = torch.tensor([7, 30, 12, 25])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)])
+    segs = Segments(cu, cu, torch.tensor([-1, -1, 5, 5]), torch.tensor([0, 0, 0, 0]))
+    program = varlen.as_program(FlashAttnKernel(), segs, torch.zeros(1, 74, 1, 8), torch.zeros(1, 74, 1, 8))
+    assert [g.q_span for g in program.groups] == [(0, 37), (37, 37)] and all(g.q_rows is None for g in program.groups)
+    gen = torch.Generator().manual_seed(4)
+    q, dout = torch.randn(1, 74, 4, 8, generator=gen), torch.randn(1, 74, 4, 8, generator=gen)
+    k, v = torch.randn(1, 74, 2, 8, generator=gen), torch.randn(1, 74, 2, 8, generator=gen)
+    _check_against_reference(q, k, v, dout, segs, _run(FlashAttnKernel(), q, k, v, dout, segs))
+
+
 def test_torch_cuda_varlen_path_on_meta(monkeypatch):
     """PyTorch's CUDA flash varlen op (and the memory-efficient op with a mask) on meta tensors:
     argument arity and output shapes of the path a GPU takes (values need a GPU)."""
