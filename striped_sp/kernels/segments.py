@@ -105,6 +105,10 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.int64)
-    # row j of segment t is starts[t] + (j - offs[t]): one repeat of the per-segment shift
+    # row j of segment t is starts[t] + (j - offs[t]): one repeat of the per-segment shift, in
+    # int32 where the rows fit (its repeat_interleave runs several times faster than int64's)
     shift = starts - (torch.cumsum(lengths, 0) - lengths)
-    return torch.arange(total) + torch.repeat_interleave(shift, lengths, output_size=total)
+    small = total < 2**31 and bool(((starts >= 0) & (starts + lengths < 2**31)).all())
+    dtype = torch.int32 if small else torch.int64
+    rows = torch.arange(total, dtype=dtype) + torch.repeat_interleave(shift.to(dtype), lengths, output_size=total)
+    return rows.long()

@@ -69,9 +69,13 @@ class CostModel:
         (:class:`~striped_sp.kernels.segments.Segments`): the exact visible entries of each, plus
         ``causal_waste`` per row where the band has a diagonal edge inside the block (tiles skip
         masked keys only whole)."""
+        return float(self.each_segment_ns(segs).sum())
+
+    def each_segment_ns(self, segs) -> torch.Tensor:
+        """:meth:`segments_ns` of each segment (float64 ``[segments]``)."""
         lq, lk = segs.lq, segs.lk
         if lq.numel() == 0:
-            return 0.0
+            return torch.zeros(0, dtype=torch.float64)
         lo, hi = segs.offsets()
         visible = segs.segment_entries().double()
         rows, keys = lq.double(), lk.double()
@@ -80,7 +84,7 @@ class CostModel:
         live = (lq > 0) & (lk > 0) & (visible > 0)
         safe = torch.clamp(rows, min=1.0)
         ns = self.ns_per_entry * area * (1 + self.small_rows / safe) + self.call_ns
-        return float(torch.where(live, ns, torch.zeros_like(ns)).sum())
+        return torch.where(live, ns, torch.zeros_like(ns))
 
     def ring_ns(self, compute_ns, carried_rows) -> float:
         """Forward+backward time per head of a ring whose step ``t`` computes ``compute_ns[t]``

@@ -290,9 +290,21 @@ def shared_rows(layout, spec: MaskSpec, world_size: int, rank: int) -> int:
 
 def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int, steps: int | None = None) -> list[list[SegmentCall]]:
     """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``), for the
-    first ``steps`` steps (``None``: all ``world_size``).  Not cached: a batch's
-    :class:`~striped_sp.plan.ring_plan.RingPlan` holds it (the plan cache of
-    :mod:`striped_sp.engine.plans` keeps the plans of a few batches)."""
-    pieces: dict = {}
+    first ``steps`` steps (``None``: all ``world_size``), every step from one tensor pass
+    (:func:`~striped_sp.plan.ring_blocks.ring_blocks`; the same calls as :func:`block_plan` step by
+    step).  Not cached: a batch's :class:`~striped_sp.plan.ring_plan.RingPlan` holds it (the plan
+    cache of :mod:`striped_sp.engine.plans` keeps the plans of a few batches)."""
+    from .ring_blocks import all_pieces, ring_blocks
+
     steps = world_size if steps is None else steps
-    return [block_plan(layout, spec, world_size, rank, (rank - t) % world_size, pieces) for t in range(steps)]
+    pieces = all_pieces(layout, spec, world_size)
+    plans, todo = {}, list(range(steps))
+    if steps and spec.left < 0 and spec.right == 0:
+        mine = pieces[0] == rank
+        merged = _diagonal_plan(*(x[mine] for x in pieces[1:]))
+        if merged is not None:
+            plans[0] = merged
+            todo.remove(0)
+    for t, calls in ring_blocks(spec, world_size, rank, todo, pieces).items():
+        plans[t] = [SegmentCall(segs, segs.entries()) for segs in calls]
+    return [plans[t] for t in range(steps)]

@@ -28,9 +28,11 @@ import dataclasses
 import torch
 
 from ..kernels.schedule import halving_rule
+from ..kernels.segments import Segments
 from ..kernels.varlen import Arena, compile_steps
 from .cost import model_for_kernel
-from .masks import MaskSpec, ring_plans, shared_rows
+from .masks import MaskSpec, ring_plans
+from .ring_blocks import all_shared_rows
 
 __all__ = ["RingPlan", "HostPlan", "build_host_plan", "compile_plan", "build_ring_plan"]
 
@@ -92,7 +94,7 @@ def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
     steps = layout.ring_steps(world_size, n, mask)
     shared = None
     if steps > 1:
-        rows = tuple(shared_rows(layout, mask, world_size, r) for r in range(world_size))
+        rows = all_shared_rows(layout, mask, world_size)
         shared = None if all(s == n for s in rows) else rows
         if not any(rows):  # every document whole on its rank: no rank sees another's keys, no ring
             steps, shared = 1, None
@@ -102,15 +104,28 @@ def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
 
 
 def _predicted_ms(host: HostPlan, model) -> tuple:
-    """Per step, the model's forward time per head of the step's calls, in milliseconds."""
-    out = []
-    for step in host.calls:
-        if not host.masked:
-            n = host.local_len
-            out.append(sum(model.call(c.q_len(n), c.kv_len(n), c.causal) for c in step) / 1e6)
-            continue
-        out.append(sum(model.segments_ns(c.segments) for c in step) / 1e6)
-    return tuple(out)
+    """Per step, the model's forward time per head of the step's calls, in milliseconds (a masked
+    plan's segments priced in one pass over all its calls)."""
+    if not host.masked:
+        n = host.local_len
+        return tuple(sum(model.call(c.q_len(n), c.kv_len(n), c.causal) for c in step) / 1e6 for step in host.calls)
+    segs = [c.segments for step in host.calls for c in step]
+    per_step = torch.zeros(len(host.calls), dtype=torch.float64)
+    if segs:
+        step_of = torch.repeat_interleave(torch.tensor([t for t, step in enumerate(host.calls) for _ in step]),
+                                          torch.tensor([len(s) for s in segs]))
+        per_step.index_add_(0, step_of, model.each_segment_ns(_joined(segs)))
+    return tuple((per_step / 1e6).tolist())
+
+
+def _joined(segs: list) -> Segments:
+    """Many calls' segments as one :class:`Segments` (their rows re-based; entries as counted)."""
+    zero = torch.zeros(1, dtype=torch.int64)
+    lq, lk = torch.cat([s.lq for s in segs]), torch.cat([s.lk for s in segs])
+    out = Segments(torch.cat([zero, torch.cumsum(lq, 0)]), torch.cat([zero, torch.cumsum(lk, 0)]),
+                   torch.cat([s.wl for s in segs]), torch.cat([s.wr for s in segs]))
+    out.__dict__["_entries"] = torch.cat([s.segment_entries() for s in segs])
+    return out
 
 
 def _halving(model, heads: int, batch: int, head_dim: int | None):

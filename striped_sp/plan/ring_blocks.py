@@ -1,0 +1,147 @@
+"""Every block of one rank's ring at once: the varlen calls of all its steps from one tensor pass.
+
+:func:`striped_sp.plan.masks.block_plan` builds one block (queries of ``rank`` against the keys of
+one ``source``).  A ring asks for ``N`` of them, and at 1M tokens on 64 ranks their fixed cost
+per block (some hundred small tensor ops) dominates a batch's plan.  Here the pieces of every
+rank come from one pass over the concatenated run tables, and the pairs of every step (query
+piece x key piece of the same document on that step's source) from one ``searchsorted`` over
+``(source, document)`` keys; only the final cut into :class:`Segments` loops, once per call.
+The result is the same calls, in the same order, as ``block_plan`` step by step (asserted in
+``tests/unit/test_ring_blocks.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.segments import INF, Segments
+
+__all__ = ["all_pieces", "ring_blocks", "all_shared_rows"]
+
+
+def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
+    return -torch.div(-a, b, rounding_mode="floor")
+
+
+def all_pieces(layout, spec, world_size: int):
+    """Every rank's runs cut at document bounds: int64 ``(rank, doc, local, pos, count, step)``,
+    sorted by rank, then document, then local start (each rank's part as
+    :func:`~striped_sp.plan.masks._pieces` gives it)."""
+    tables = [layout.run_table(spec.seq_len, world_size, r, spec.bounds) for r in range(world_size)]
+    sizes = torch.tensor([t.size(0) for t in tables], dtype=torch.int64)
+    runs = torch.cat(tables) if tables else torch.zeros(0, 4, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(world_size), sizes)
+    live = runs[:, 2] > 0
+    runs, owner = runs[live], owner[live]
+    local0, pos0, count, stride = runs.t().contiguous().unbind(0)
+    starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
+    ends = torch.tensor(spec.bounds[1:], dtype=torch.int64)
+    d0 = torch.searchsorted(starts, pos0, right=True) - 1
+    d1 = torch.searchsorted(starts, pos0 + (count - 1) * stride, right=True) - 1
+    reps = d1 - d0 + 1
+    total = int(reps.sum())
+    run = torch.repeat_interleave(torch.arange(runs.size(0)), reps, output_size=total)
+    doc = d0[run] + (torch.arange(total) - (torch.cumsum(reps, 0) - reps)[run])
+    step = stride[run]
+    a0 = torch.clamp(_ceil_div(starts[doc] - pos0[run], step), min=0)
+    a1 = torch.minimum(_ceil_div(ends[doc] - pos0[run], step), count[run])
+    keep = a1 > a0
+    a0, a1, doc, run, step = a0[keep], a1[keep], doc[keep], run[keep], step[keep]
+    local = local0[run] + a0
+    rank = owner[run]
+    width = int(local.max()) + 1 if local.numel() else 1
+    order = torch.argsort((rank * len(spec.bounds) + doc) * width + local)
+    return (rank[order], doc[order], local[order], (pos0[run] + a0 * step)[order], (a1 - a0)[order],
+            step[order])
+
+
+def ring_blocks(spec, world_size: int, rank: int, steps, pieces) -> dict:
+    """``{step: [Segments, ...]}`` for ``steps`` (the ring steps to build; source of step ``t``:
+    ``(rank - t) % world_size``) from :func:`all_pieces`; a step with nothing visible maps to
+    ``[]``.  Calls of a step are ordered by the key piece's place among its document's pieces on
+    the source (0, then 1: zigzag's two chunks), segments by query piece."""
+    out = {t: [] for t in steps}
+    owner, doc, local, pos, count, stride = pieces
+    mine = owner == rank
+    qd, ql, qp, qn, qs = doc[mine], local[mine], pos[mine], count[mine], stride[mine]
+    if not steps or qd.numel() == 0:
+        return out
+    docs = len(spec.bounds)
+    t_all = torch.tensor(list(steps), dtype=torch.int64)
+    source = (rank - t_all) % world_size
+    kkey = owner * docs + doc  # sorted: pieces are ordered by rank, then document
+    qkey = (source.unsqueeze(1) * docs + qd.unsqueeze(0)).flatten()  # [steps * Q]
+    first = torch.searchsorted(kkey, qkey)
+    reps = torch.searchsorted(kkey, qkey, right=True) - first
+    total = int(reps.sum())
+    pair = torch.repeat_interleave(torch.arange(qkey.numel()), reps, output_size=total)
+    nth = torch.arange(total) - (torch.cumsum(reps, 0) - reps)[pair]
+    ki = first[pair] + nth
+    qi = pair % qd.numel()
+    ti = pair // qd.numel()
+    step_of = qs[qi]
+    dist = qp[qi] - pos[ki]
+    hi = (torch.div(dist + spec.right, step_of, rounding_mode="floor") if spec.right >= 0
+          else torch.full_like(dist, INF))
+    lo = _ceil_div(dist - spec.left, step_of) if spec.left >= 0 else torch.full_like(dist, -INF)
+    nq, nk = qn[qi], count[ki]
+    a0 = torch.clamp(-hi, min=0)
+    a1 = torch.minimum(nq - 1, nk - 1 - lo)
+    keep = (a0 <= a1) & (lo <= hi)
+    b0 = torch.clamp(a0 + lo, min=0)
+    b1 = torch.minimum(nk - 1, a1 + hi)
+    lq, lk = a1 - a0 + 1, b1 - b0 + 1
+    lo2, hi2 = lo + a0 - b0, hi + a0 - b0
+    sh = lk - lq
+    wl = torch.where(lq - 1 + lo2 <= 0, -1, sh - lo2)
+    # unbounded on the right when the first row sees the last key; an exact causal edge stays 0
+    wr = torch.where((hi2 >= lk - 1) & (hi2 != sh), -1, hi2 - sh)
+    q_start, k_start = ql[qi] + a0, local[ki] + b0
+    # the calls: one per (step, nth), in that order, each holding its pairs in query-piece order
+    sel = keep.nonzero().flatten()
+    if sel.numel() == 0:
+        return out
+    width = int(nth.max()) + 1
+    call = ti[sel] * width + nth[sel]
+    order = sel[torch.argsort(call, stable=True)]
+    lq, lk, wl, wr, q_start, k_start = (x[order] for x in (lq, lk, wl, wr, q_start, k_start))
+    calls, sizes = torch.unique_consecutive(call[torch.argsort(call, stable=True)], return_counts=True)
+    cq, ck = torch.cumsum(lq, 0), torch.cumsum(lk, 0)
+    zero = torch.zeros(1, dtype=torch.int64)
+    entries = Segments(torch.cat([zero, cq]), torch.cat([zero, ck]), wl, wr, q_start, k_start).segment_entries()
+    at = 0
+    t_list = t_all.tolist()
+    for key, n in zip(calls.tolist(), sizes.tolist()):
+        part = slice(at, at + n)
+        base_q, base_k = (cq[at - 1], ck[at - 1]) if at else (zero[0], zero[0])
+        segs = Segments(torch.cat([zero, cq[part] - base_q]), torch.cat([zero, ck[part] - base_k]), wl[part],
+                        wr[part], q_start[part], k_start[part])
+        segs.__dict__["_entries"] = entries[part]  # Segments.segment_entries, already counted
+        out[t_list[key // width]].append(segs)
+        at += n
+    return out
+
+
+
+def all_shared_rows(layout, spec, world_size: int) -> tuple:
+    """:func:`~striped_sp.plan.masks.shared_rows` of every rank: its local length less the
+    documents that close its local order and lie wholly on it (in one run of step 1, or of one
+    token), whose keys no other rank's queries see."""
+    tables = [layout.run_table(spec.seq_len, world_size, r, spec.bounds) for r in range(world_size)]
+    sizes = torch.tensor([t.size(0) for t in tables], dtype=torch.int64)
+    runs = torch.cat(tables) if tables else torch.zeros(0, 4, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(world_size), sizes)
+    live = runs[:, 2] > 0
+    runs, owner = runs[live], owner[live]
+    first, count, step = runs[:, 1].contiguous(), runs[:, 2], runs[:, 3]
+    starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
+    lengths = torch.tensor(spec.bounds[1:], dtype=torch.int64) - starts
+    d = torch.searchsorted(starts, first, right=True) - 1
+    whole = (starts[d] == first) & (lengths[d] == count) & ((count == 1) | (step == 1))
+    # a rank's private rows: its runs after its last run that is not a whole document
+    place = torch.arange(runs.size(0))
+    last_open = torch.full((world_size,), -1, dtype=torch.int64).scatter_reduce(
+        0, owner[~whole], place[~whole], "amax")
+    private = torch.zeros(world_size, dtype=torch.int64).index_add_(
+        0, owner, torch.where(place > last_open[owner], count, torch.zeros_like(count)))
+    return tuple((spec.seq_len // world_size - private).tolist())
