@@ -10,7 +10,7 @@ whole sequence, ``S (S + 1) / 2``, spread evenly over ``N`` ranks.
 from __future__ import annotations
 
 from ..plan.layouts import get_layout
-from ..plan.masks import block_plan
+from ..plan.masks import ring_plans
 from .docs import workload
 from .report import plan_report
 
@@ -58,10 +58,8 @@ def balance_records(layouts, world_sizes, local_len: int) -> list[dict]:
 def masked_step_entries(work) -> list[list[int]]:
     """``entries[t][r]`` for a packed / windowed row (a :class:`~striped_sp.bench.docs.Workload`)."""
     lay, n = get_layout(work.layout), work.world_size
-    return [
-        [sum(c.entries for c in block_plan(lay, work.mask, n, r, (r - t) % n)) for r in range(n)]
-        for t in range(n)
-    ]
+    per_rank = [[sum(c.entries for c in step) for step in ring_plans(lay, work.mask, n, r)] for r in range(n)]
+    return [[per_rank[r][t] for r in range(n)] for t in range(n)]
 
 
 def masked_balance_records(layouts, world_sizes, tokens_per_rank: int, docs: str | None,

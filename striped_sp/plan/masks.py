@@ -28,7 +28,7 @@ import numbers
 
 import torch
 
-from ..kernels.segments import INF, Segments, _band_entries, _ranges
+from ..kernels.segments import Segments, _ranges
 
 __all__ = ["MaskSpec", "Segments", "SegmentCall", "check_cu_seqlens", "check_window", "make_mask", "shared_rows",
            "block_plan", "ring_plans"]
@@ -163,39 +163,10 @@ class SegmentCall:
         return self.entries
 
 
-def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
-    return -torch.div(-a, b, rounding_mode="floor")
-
-
 def _as_index(rows: torch.Tensor) -> slice | torch.Tensor:
     if rows.numel() > 0 and (rows.numel() == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
         return slice(int(rows[0]), int(rows[-1]) + 1)
     return rows
-
-
-def _pieces(layout, spec: MaskSpec, world_size: int, rank: int):
-    """This rank's runs cut at document bounds: ``(doc, local_start, first_pos, count, step)`` int64.
-    The pieces of one document share one step (a document is striped, or whole, everywhere)."""
-    runs = layout.run_table(spec.seq_len, world_size, rank, spec.bounds)
-    runs = runs[runs[:, 2] > 0]
-    local0, pos0, count, stride = runs.t().contiguous().unbind(0)
-    starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
-    ends = torch.tensor(spec.bounds[1:], dtype=torch.int64)
-    d0 = torch.searchsorted(starts, pos0, right=True) - 1
-    d1 = torch.searchsorted(starts, pos0 + (count - 1) * stride, right=True) - 1
-    reps = d1 - d0 + 1
-    run = torch.repeat_interleave(torch.arange(runs.size(0)), reps)
-    doc = d0[run] + (torch.arange(int(reps.sum())) - (torch.cumsum(reps, 0) - reps)[run])
-    step = stride[run]
-    a0 = torch.clamp(_ceil_div(starts[doc] - pos0[run], step), min=0)
-    a1 = torch.minimum(_ceil_div(ends[doc] - pos0[run], step), count[run])
-    keep = a1 > a0
-    a0, a1, doc, run, step = a0[keep], a1[keep], doc[keep], run[keep], step[keep]
-    local = local0[run] + a0
-    # by document, then local start: block_plan pairs pieces by document (a grouped layout lists
-    # its members' runs one member after another, each member's documents in order)
-    order = torch.argsort(doc * (int(local.max()) + 1 if local.numel() else 1) + local)
-    return doc[order], local[order], (pos0[run] + a0 * step)[order], (a1 - a0)[order], step[order]
 
 
 def _diagonal_plan(doc, local, pos, count, step) -> list[SegmentCall] | None:
@@ -224,51 +195,30 @@ def _diagonal_plan(doc, local, pos, count, step) -> list[SegmentCall] | None:
 def block_plan(layout, spec: MaskSpec, world_size: int, rank: int, source: int, pieces=None) -> list[SegmentCall]:
     """The varlen calls that cover exactly the visible entries of queries on ``rank`` against
     keys from ``source`` (local indices); ``[]`` when nothing is visible.  ``pieces``: an optional
-    cache ``{rank: pieces}`` shared by the blocks of one ring."""
+    dict shared by the blocks of one row, which keeps :func:`~striped_sp.plan.ring_blocks.all_pieces`."""
+    from .ring_blocks import all_pieces
+
     pieces = {} if pieces is None else pieces
-    for r in (rank, source):
-        if r not in pieces:
-            pieces[r] = _pieces(layout, spec, world_size, r)
-    if rank == source and spec.left < 0 and spec.right == 0:
-        merged = _diagonal_plan(*pieces[rank])
+    if "all" not in pieces:
+        pieces["all"] = all_pieces(layout, spec, world_size)
+    return _steps(spec, world_size, rank, [(rank - source) % world_size], pieces["all"])[0]
+
+
+def _steps(spec: MaskSpec, world_size: int, rank: int, steps: list, pieces) -> list[list[SegmentCall]]:
+    """The block plans of ``steps``: a rank's own block under a plain causal mask as one square per
+    document where its pieces allow (:func:`_diagonal_plan`), every other from one pass."""
+    from .ring_blocks import ring_blocks
+
+    plans, todo = {}, list(steps)
+    if 0 in todo and spec.left < 0 and spec.right == 0:
+        mine = pieces[0] == rank
+        merged = _diagonal_plan(*(x[mine] for x in pieces[1:]))
         if merged is not None:
-            return merged
-    qd, ql, qp, qn, qs = pieces[rank]
-    kd, kl, kp, kn, _ = pieces[source]
-    first = torch.searchsorted(kd, qd)
-    reps = torch.searchsorted(kd, qd, right=True) - first
-    qi = torch.repeat_interleave(torch.arange(qd.numel()), reps)
-    nth = torch.arange(qi.numel()) - (torch.cumsum(reps, 0) - reps)[qi]
-    ki = first[qi] + nth
-    stride = qs[qi]
-    dist = qp[qi] - kp[ki]
-    hi = (torch.div(dist + spec.right, stride, rounding_mode="floor") if spec.right >= 0
-          else torch.full_like(dist, INF))
-    lo = _ceil_div(dist - spec.left, stride) if spec.left >= 0 else torch.full_like(dist, -INF)
-    nq, nk = qn[qi], kn[ki]
-    a0 = torch.clamp(-hi, min=0)
-    a1 = torch.minimum(nq - 1, nk - 1 - lo)
-    keep = (a0 <= a1) & (lo <= hi)
-    b0 = torch.clamp(a0 + lo, min=0)
-    b1 = torch.minimum(nk - 1, a1 + hi)
-    lq, lk = a1 - a0 + 1, b1 - b0 + 1
-    lo2, hi2 = lo + a0 - b0, hi + a0 - b0
-    sh = lk - lq
-    wl = torch.where(lq - 1 + lo2 <= 0, -1, sh - lo2)
-    # unbounded on the right when the first row sees the last key; an exact causal edge stays 0
-    wr = torch.where((hi2 >= lk - 1) & (hi2 != sh), -1, hi2 - sh)
-    q_start, k_start = ql[qi] + a0, kl[ki] + b0
-    calls = []
-    for c in range(int(nth.max()) + 1 if nth.numel() else 0):
-        sel = keep & (nth == c)
-        if not bool(sel.any()):
-            continue
-        seg_lq, seg_lk = lq[sel], lk[sel]
-        zero = torch.zeros(1, dtype=torch.int64)
-        segs = Segments(torch.cat([zero, torch.cumsum(seg_lq, 0)]), torch.cat([zero, torch.cumsum(seg_lk, 0)]),
-                        wl[sel], wr[sel], q_start[sel], k_start[sel])
-        calls.append(SegmentCall(segs, segs.entries()))
-    return calls
+            plans[0] = merged
+            todo.remove(0)
+    for t, calls in ring_blocks(spec, world_size, rank, todo, pieces).items():
+        plans[t] = [SegmentCall(segs, segs.entries()) for segs in calls]
+    return [plans[t] for t in steps]
 
 
 def shared_rows(layout, spec: MaskSpec, world_size: int, rank: int) -> int:
@@ -291,20 +241,10 @@ def shared_rows(layout, spec: MaskSpec, world_size: int, rank: int) -> int:
 def ring_plans(layout, spec: MaskSpec, world_size: int, rank: int, steps: int | None = None) -> list[list[SegmentCall]]:
     """``plans[t]``: the block plan of ring step ``t`` (source ``(rank - t) % world_size``), for the
     first ``steps`` steps (``None``: all ``world_size``), every step from one tensor pass
-    (:func:`~striped_sp.plan.ring_blocks.ring_blocks`; the same calls as :func:`block_plan` step by
-    step).  Not cached: a batch's :class:`~striped_sp.plan.ring_plan.RingPlan` holds it (the plan
-    cache of :mod:`striped_sp.engine.plans` keeps the plans of a few batches)."""
-    from .ring_blocks import all_pieces, ring_blocks
+    (:func:`~striped_sp.plan.ring_blocks.ring_blocks`).  Not cached: a batch's
+    :class:`~striped_sp.plan.ring_plan.RingPlan` holds it (the plan cache of
+    :mod:`striped_sp.engine.plans` keeps the plans of a few batches)."""
+    from .ring_blocks import all_pieces
 
     steps = world_size if steps is None else steps
-    pieces = all_pieces(layout, spec, world_size)
-    plans, todo = {}, list(range(steps))
-    if steps and spec.left < 0 and spec.right == 0:
-        mine = pieces[0] == rank
-        merged = _diagonal_plan(*(x[mine] for x in pieces[1:]))
-        if merged is not None:
-            plans[0] = merged
-            todo.remove(0)
-    for t, calls in ring_blocks(spec, world_size, rank, todo, pieces).items():
-        plans[t] = [SegmentCall(segs, segs.entries()) for segs in calls]
-    return [plans[t] for t in range(steps)]
+    return _steps(spec, world_size, rank, list(range(steps)), all_pieces(layout, spec, world_size))

@@ -1,13 +1,14 @@
 """Every block of one rank's ring at once: the varlen calls of all its steps from one tensor pass.
 
-:func:`striped_sp.plan.masks.block_plan` builds one block (queries of ``rank`` against the keys of
-one ``source``).  A ring asks for ``N`` of them, and at 1M tokens on 64 ranks their fixed cost
-per block (some hundred small tensor ops) dominates a batch's plan.  Here the pieces of every
-rank come from one pass over the concatenated run tables, and the pairs of every step (query
-piece x key piece of the same document on that step's source) from one ``searchsorted`` over
-``(source, document)`` keys; only the final cut into :class:`Segments` loops, once per call.
-The result is the same calls, in the same order, as ``block_plan`` step by step (asserted in
-``tests/unit/test_ring_blocks.py``).
+A ring has ``N`` blocks per rank (queries of ``rank`` against the keys of each ``source``), and at
+1M tokens on 64 ranks a per-block planner's fixed cost (some hundred small tensor ops) would
+dominate a batch's plan.  Here the pieces of every rank come from one pass over the concatenated
+run tables, and the pairs of every step (query piece x key piece of the same document on that
+step's source) from one ``searchsorted`` over ``(source, document)`` keys; only the final cut
+into :class:`Segments` loops, once per call.  :func:`striped_sp.plan.masks.block_plan` (one
+block) and :func:`~striped_sp.plan.masks.ring_plans` (a ring) both run it; tests/unit/test_masks.py
+checks their coverage against the global mask, tests/unit/test_ring_blocks.py a ring's steps
+built together against the same steps built one by one.
 """
 
 from __future__ import annotations
@@ -23,16 +24,21 @@ def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
     return -torch.div(-a, b, rounding_mode="floor")
 
 
-def all_pieces(layout, spec, world_size: int):
-    """Every rank's runs cut at document bounds: int64 ``(rank, doc, local, pos, count, step)``,
-    sorted by rank, then document, then local start (each rank's part as
-    :func:`~striped_sp.plan.masks._pieces` gives it)."""
+def _all_runs(layout, spec, world_size: int):
+    """Every rank's non-empty runs (local start, first position, count, step) and their ranks."""
     tables = [layout.run_table(spec.seq_len, world_size, r, spec.bounds) for r in range(world_size)]
     sizes = torch.tensor([t.size(0) for t in tables], dtype=torch.int64)
     runs = torch.cat(tables) if tables else torch.zeros(0, 4, dtype=torch.int64)
     owner = torch.repeat_interleave(torch.arange(world_size), sizes)
     live = runs[:, 2] > 0
-    runs, owner = runs[live], owner[live]
+    return runs[live], owner[live]
+
+
+def all_pieces(layout, spec, world_size: int):
+    """Every rank's runs cut at document bounds: int64 ``(rank, doc, local, pos, count, step)``,
+    sorted by rank, then document, then local start.  The pieces of one document share one step
+    (a document is striped, or whole, everywhere)."""
+    runs, owner = _all_runs(layout, spec, world_size)
     local0, pos0, count, stride = runs.t().contiguous().unbind(0)
     starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
     ends = torch.tensor(spec.bounds[1:], dtype=torch.int64)
@@ -127,12 +133,7 @@ def all_shared_rows(layout, spec, world_size: int) -> tuple:
     """:func:`~striped_sp.plan.masks.shared_rows` of every rank: its local length less the
     documents that close its local order and lie wholly on it (in one run of step 1, or of one
     token), whose keys no other rank's queries see."""
-    tables = [layout.run_table(spec.seq_len, world_size, r, spec.bounds) for r in range(world_size)]
-    sizes = torch.tensor([t.size(0) for t in tables], dtype=torch.int64)
-    runs = torch.cat(tables) if tables else torch.zeros(0, 4, dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(world_size), sizes)
-    live = runs[:, 2] > 0
-    runs, owner = runs[live], owner[live]
+    runs, owner = _all_runs(layout, spec, world_size)
     first, count, step = runs[:, 1].contiguous(), runs[:, 2], runs[:, 3]
     starts = torch.tensor(spec.bounds[:-1], dtype=torch.int64)
     lengths = torch.tensor(spec.bounds[1:], dtype=torch.int64) - starts

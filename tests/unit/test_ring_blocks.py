@@ -1,7 +1,7 @@
-"""A ring's blocks built all at once (:mod:`striped_sp.plan.ring_blocks`) against the one-block
-planner (:func:`block_plan`, which test_masks checks against the global mask) step by step:
-the same calls, segments and entries, for every layout, parameter, rank and mask; and every
-rank's shared rows against :func:`shared_rows`."""
+"""A ring's blocks built all at once (:func:`ring_plans`: every step in one tensor pass) against
+the same blocks built one at a time (:func:`block_plan`, whose coverage test_masks checks against
+the global mask): the same calls, segments and entries, for every layout, parameter, rank and
+mask; every rank's shared rows at once against :func:`shared_rows` rank by rank."""
 
 import random
 
