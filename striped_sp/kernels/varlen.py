@@ -141,7 +141,7 @@ class ScheduledCall:
     def __init__(self, segs: Segments, b: int, arena: Arena, nq: int, nk: int, halve=None, mask_form=None):
         plan = schedule(segs, halve)
         self.direct = plan.direct
-        self.groups = direct_groups(plan.direct, b, nq, nk, arena)
+        self.groups = direct_groups(plan.direct, nq)
         form = mask_form or (lambda m: m)
         self.batches = [_compile_batch(p, b, arena, form) for p in plan.batches]
 
