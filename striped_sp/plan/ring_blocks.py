@@ -98,20 +98,24 @@ def ring_blocks(spec, world_size: int, rank: int, steps, pieces) -> dict:
     b1 = torch.minimum(nk - 1, a1 + hi)
     lq, lk = a1 - a0 + 1, b1 - b0 + 1
     lo2, hi2 = lo + a0 - b0, hi + a0 - b0
+    q_start, k_start = ql[qi] + a0, local[ki] + b0
+    sel = keep.nonzero().flatten()  # the live pairs, in (step, query piece, key piece) order
+    if sel.numel() == 0:
+        return out
+    tq, lq, lk, lo2, hi2, q_start, k_start = (x[sel] for x in (pair, lq, lk, lo2, hi2, q_start, k_start))
+    tq, lq, lk, lo2, hi2, q_start, k_start, nth = _coalesce(tq, lq, lk, lo2, hi2, q_start, k_start,
+                                                             left_open=spec.left < 0)
+    ti = tq // qd.numel()
     sh = lk - lq
     wl = torch.where(lq - 1 + lo2 <= 0, -1, sh - lo2)
     # unbounded on the right when the first row sees the last key; an exact causal edge stays 0
     wr = torch.where((hi2 >= lk - 1) & (hi2 != sh), -1, hi2 - sh)
-    q_start, k_start = ql[qi] + a0, local[ki] + b0
     # the calls: one per (step, nth), in that order, each holding its pairs in query-piece order
-    sel = keep.nonzero().flatten()
-    if sel.numel() == 0:
-        return out
     width = int(nth.max()) + 1
-    call = ti[sel] * width + nth[sel]
-    order = sel[torch.argsort(call, stable=True)]
+    call = ti * width + nth
+    order = torch.argsort(call, stable=True)
     lq, lk, wl, wr, q_start, k_start = (x[order] for x in (lq, lk, wl, wr, q_start, k_start))
-    calls, sizes = torch.unique_consecutive(call[torch.argsort(call, stable=True)], return_counts=True)
+    calls, sizes = torch.unique_consecutive(call[order], return_counts=True)
     cq, ck = torch.cumsum(lq, 0), torch.cumsum(lk, 0)
     zero = torch.zeros(1, dtype=torch.int64)
     entries = Segments(torch.cat([zero, cq]), torch.cat([zero, ck]), wl, wr, q_start, k_start).segment_entries()
@@ -127,6 +131,33 @@ def ring_blocks(spec, world_size: int, rank: int, steps, pieces) -> dict:
         at += n
     return out
 
+
+
+def _coalesce(tq, lq, lk, lo, hi, q_start, k_start, left_open: bool):
+    """One query piece's pairs whose key rows follow each other, every one but the last seen
+    whole by every query row (the key stripes of one document before a query stripe, or zigzag's
+    two chunks), and that keep the same query rows, become one segment: its keys the run's keys,
+    its band the last pair's shifted by the keys before it.  Only without a left window (a left
+    bound would cut the earlier keys).  Returns the pairs (run by run) and each one's place
+    among its query piece's (``nth``: 0, 1, ...): the calls it goes to."""
+    n = tq.numel()
+    joins = torch.zeros(n, dtype=torch.bool)  # pair e joins the run of pair e - 1
+    if left_open and n > 1:
+        joins[1:] = ((tq[1:] == tq[:-1]) & (q_start[1:] == q_start[:-1]) & (lq[1:] == lq[:-1])
+                     & (k_start[1:] == k_start[:-1] + lk[:-1]) & (hi[:-1] >= lk[:-1] - 1))
+    run = torch.cumsum(~joins, 0) - 1
+    runs = int(run[-1]) + 1
+    first = torch.nonzero(~joins).flatten()
+    last = torch.cat([first[1:] - 1, torch.tensor([n - 1])])
+    keys = torch.zeros(runs, dtype=torch.int64).index_add_(0, run, lk)
+    before = keys - lk[last]  # the keys ahead of the run's last pair
+    tq = tq[first]
+    new_piece = torch.ones(runs, dtype=torch.bool)
+    new_piece[1:] = tq[1:] != tq[:-1]
+    group_first = torch.cummax(torch.where(new_piece, torch.arange(runs), torch.zeros(runs, dtype=torch.int64)), 0)[0]
+    nth = torch.arange(runs) - group_first
+    # the last pair's band, shifted by the keys before it (their lower bound is open: they are seen whole)
+    return tq, lq[first], keys, lo[last] + before, hi[last] + before, q_start[first], k_start[first], nth
 
 
 def all_shared_rows(layout, spec, world_size: int) -> tuple:

@@ -7,14 +7,14 @@ import torch
 
 import striped_sp
 from reference import reference_mask
-from striped_sp.plan.layouts import LAYOUTS
+from striped_sp.plan.layouts import LAYOUTS, get_layout
 from striped_sp.plan.masks import block_plan, make_mask
 from striped_sp.kernels.varlen import TILE, schedule
 
 
 def _random_mask(rng, layout, n):
     unit = 2 * n if layout == "zigzag" else 1
-    seq = rng.randint(1, 12) * (unit if layout == "zigzag" else n)
+    seq = rng.randint(1, 12) * (unit if layout == "zigzag" else 2 * n if layout == "striped:stripe=2" else n)
     cuts = sorted(rng.sample(range(1, seq // unit), rng.randint(0, seq // unit - 1))) if seq // unit > 1 else []
     bounds = [0] + [c * unit for c in cuts] + [seq]
     causal = rng.random() < 0.7
@@ -25,7 +25,7 @@ def _random_mask(rng, layout, n):
 
 def _coverage(layout, n, spec):
     """How often each (query, key) pair of the global row is computed by the plans of all blocks."""
-    lay = LAYOUTS[layout]
+    lay = get_layout(layout)
     seq = spec.seq_len
     pos = [lay.positions(seq, n, r, spec.bounds) for r in range(n)]
     covered = torch.zeros(seq, seq, dtype=torch.int64)
@@ -45,13 +45,14 @@ def _coverage(layout, n, spec):
     return covered
 
 
-@pytest.mark.parametrize("layout", ["striped", "zigzag", "contiguous"])
+@pytest.mark.parametrize("layout", ["striped", "zigzag", "contiguous", "striped:stripe=2", "striped:stripe=doc",
+                                    "striped:place=auto"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_plans_cover_exactly_the_visible_entries(layout, n):
     rng = random.Random(n * 31 + len(layout))
     for _ in range(25):
         bounds, causal, window = _random_mask(rng, layout, n)
-        spec = make_mask(bounds[-1], n, LAYOUTS[layout], bounds, window, causal)
+        spec = make_mask(bounds[-1], n, get_layout(layout), bounds, window, causal)
         want = reference_mask(bounds[-1], causal, bounds, window).long()
         got = _coverage(layout, n, spec)
         assert torch.equal(got, want), f"{layout} N={n} bounds={bounds} causal={causal} window={window}"

@@ -99,3 +99,21 @@ def test_predicted_cost_of_all_calls_at_once(layout):
     want = [sum(model.segments_ns(c.segments) for c in step) / 1e6 for step in host.calls]
     assert _predicted_ms(host, model) == pytest.approx(want, rel=1e-12)
     assert any(want)
+
+
+@pytest.mark.parametrize("layout, steps_calls", [("striped:stripe=4", 1), ("zigzag", 1)])
+def test_key_pieces_of_a_document_coalesce(layout, steps_calls):
+    """One long document: a query stripe sees every key stripe of the source before it whole, and
+    those stripes lie back to back in the source's rows, so each query stripe is one segment
+    (keys: the run of stripes) and each step one call; zigzag's two chunks likewise.  With a left
+    window the earlier keys are cut, and nothing coalesces."""
+    n = 4
+    lay = get_layout(layout)
+    spec = make_mask(512, n, lay, [0, 512])
+    for rank in range(n):
+        for t, calls in enumerate(ring_plans(lay, spec, n, rank)):
+            assert len(calls) <= steps_calls, (layout, rank, t, len(calls))
+            if calls and layout != "zigzag":  # one segment per query stripe that sees a key
+                assert len(calls[0].segments) <= 512 // n // 4
+    windowed = make_mask(512, n, lay, [0, 512], (100, 0))
+    assert max(len(c) for r in range(n) for c in ring_plans(lay, windowed, n, r)) > 1
