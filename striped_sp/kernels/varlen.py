@@ -188,9 +188,19 @@ class ScheduledCall:
                     _gather(out, qi, p.packs, p.cq), lse_b.contiguous())
             g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
             q_real, k_real = _v(p.q_real), _v(p.k_real)
-            dq.index_add_(1, p.q_rows.t, _real(_flat(g[0], b, p.packs, p.cq), q_real).to(dq.dtype))
-            dk.index_add_(1, p.k_rows.t, _real(_flat(g[1], b, p.packs, p.ck), k_real).to(dk.dtype))
-            dv.index_add_(1, p.k_rows.t, _real(_flat(g[2], b, p.packs, p.ck), k_real).to(dv.dtype))
+            _index_add_rows(dq, p.q_rows.t, _real(_flat(g[0], b, p.packs, p.cq), q_real).to(dq.dtype))
+            _index_add_rows(dk, p.k_rows.t, _real(_flat(g[1], b, p.packs, p.ck), k_real).to(dk.dtype))
+            _index_add_rows(dv, p.k_rows.t, _real(_flat(g[2], b, p.packs, p.ck), k_real).to(dv.dtype))
+
+
+def _index_add_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:, rows] += src`` (``dst`` ``[b, L, ...]``, ``src`` ``[b, R, ...]``): for one contiguous
+    batch row as one 2-D ``index_add_`` over dim 0, which the CPU runs several times faster than
+    the same add over dim 1 (0.1 vs 0.46 ms for 4000 rows of 1 x 8 on this CPU)."""
+    if dst.size(0) == 1 and dst.is_contiguous():
+        dst.view(dst.size(1), -1).index_add_(0, rows, src.reshape(src.size(1), -1))
+    else:
+        dst.index_add_(1, rows, src)
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor, packs: int, width: int) -> torch.Tensor:
