@@ -593,7 +593,7 @@ DESCRIPTION = (
     "one CPU thread: the per-batch plan (prepare + compile) and, per layer after the batch's first\n"
     "(forward + backward), the aten ops, attention kernel calls, host-to-device copies,\n"
     "synchronisations and host time; on the CPU path and the CUDA path (on the GPU, or a dry run:\n"
-    "counts on meta tensors).  Defaults: 128k tokens at N = 8 (one to two minutes); the sizes of\n"
+    "counts on meta tensors).  Defaults: 128k tokens at N = 8 (about half a minute); the sizes of\n"
     "docs/results.md: --world-sizes 8,32,64 --tokens-per-rank 16k.")
 
 
