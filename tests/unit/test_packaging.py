@@ -201,3 +201,16 @@ def test_reference_bar_total_matches_the_calls_time_call_makes(reps, warm_up_s):
         time_reference(bar, call, cfg, clock=lambda: now[0])
     assert bar.bar.n == bar.bar.total
     assert bar.bar.n == 2 * (1 + (reps if warm_up_s <= 1.0 else max(2, reps // 2)))
+
+
+def test_every_test_folder_is_collected(pytestconfig):
+    """pytest's default norecursedirs holds "dist": without our own list, `make test` (pytest from
+    the root) silently skipped tests/dist, the engine's tests on gloo ranks and the LocalRing."""
+    import fnmatch
+    import pathlib
+
+    patterns = pytestconfig.getini("norecursedirs")
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    for folder in ("unit", "dist", "integration", "gpu"):
+        assert (tests / folder).is_dir()
+        assert not any(fnmatch.fnmatch(folder, p) for p in patterns), (folder, patterns)
