@@ -224,9 +224,13 @@ def _pack_batch(q0, lq, k0, lk, lo, hi, cls: int) -> Batch:
 
     q_index, row_item, row_x, q_real = lay_out(lq, q0, q_in, cq, -1)
     k_index, col_item, col_y, k_real = lay_out(lk, k0, k_in, ck, -2)
-    d = col_y.unsqueeze(1) - row_x.unsqueeze(2)
+    # the [packs, cq, ck] comparisons in int32 (offsets inside a pack are small; the bands are
+    # clamped to the pack): half the bytes of int64, the mask's build is most of a CPU plan's compile
+    span = cq + ck
+    d = col_y.int().unsqueeze(1) - row_x.int().unsqueeze(2)
     owner = torch.clamp(row_item, min=0).unsqueeze(2)
-    mask = (row_item.unsqueeze(2) == col_item.unsqueeze(1)) & (d >= lo[owner]) & (d <= hi[owner])
+    lo32, hi32 = (torch.clamp(x, -span, span).int()[owner] for x in (lo, hi))
+    mask = (row_item.int().unsqueeze(2) == col_item.int().unsqueeze(1)) & (d >= lo32) & (d <= hi32)
     mask[:, :, 0] |= row_item < 0  # padding rows see the first key of their pack
     return Batch(q_index, k_index, mask.unsqueeze(1), npacks, cq, ck, q_real, k_real,
                  _strided(q_index, k_index, npacks, cq, ck) if q_real is None and k_real is None else None)

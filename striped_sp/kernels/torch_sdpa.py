@@ -39,6 +39,9 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> to
     if mask.dtype == dtype:
         return mask
     lk = mask.size(-1)
+    if align == 1:  # one pass
+        return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                           torch.full((), float("-inf"), dtype=dtype, device=mask.device))
     padded = -(-lk // align) * align
     bias = torch.zeros(*mask.shape[:-1], padded, dtype=dtype, device=mask.device)
     bias[..., :lk].masked_fill_(~mask, float("-inf"))
