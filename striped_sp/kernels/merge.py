@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["merge_block", "merge_block_safe"]
+__all__ = ["merge_block", "merge_block_safe", "merge_rows"]
 
 
 def _lse_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -40,3 +40,11 @@ def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
     weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
     out.lerp_(block_out.to(out.dtype), weight)
     torch.logaddexp(lse, block_lse, out=lse)
+
+
+def merge_rows(acc_out, acc_lse, rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge ``out`` ``[b, R, h, d]`` / ``lse`` ``[b, h, R]`` into accumulator rows ``rows`` (distinct)."""
+    cur, cur_lse = acc_out.index_select(1, rows), acc_lse.index_select(2, rows)
+    merge_block_safe(cur, cur_lse, out, lse)
+    acc_out.index_copy_(1, rows, cur)
+    acc_lse.index_copy_(2, rows, cur_lse)

@@ -11,7 +11,7 @@ does no planning, no host<->device copy and no synchronisation:
 * ``programs[t]``: for masked plans, each call compiled for the kernel, the batch size and the
   device (:func:`striped_sp.kernels.varlen.compile_call`): the schedule's gather/scatter indices and
   masks, or the native varlen calls' int32 cu_seqlens and row indices by window; all placed on the
-  device with one copy (:class:`~striped_sp.kernels.varlen.Arena`);
+  device with one copy (:class:`~striped_sp.kernels.arena.Arena`);
 * ``shared``: per rank, the leading rows the ring carries (``None``: all of them);
 * ``fmt``: the tensor format of the forward (the kernel's own for dense plans, ``"bshd"`` masked);
   ``aligned``: the striped strict block in its aligned form;

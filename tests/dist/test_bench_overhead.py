@@ -11,7 +11,7 @@ import torch
 
 from striped_sp.bench import overhead
 from striped_sp.cli import main
-from striped_sp.kernels import varlen
+from striped_sp.kernels import native
 
 LAYOUTS = "striped;zigzag;striped:stripe=doc"
 
@@ -50,13 +50,13 @@ def test_overhead_counts_on_both_paths(tmp_path, capsys):
 
 def test_a_copy_per_call_is_counted(tmp_path, capsys, monkeypatch):
     """The check bites: a varlen program that copies to the device on every call."""
-    forward = varlen.NativeCall.forward
+    forward = native.NativeCall.forward
 
     def copying(self, kernel, q, *args):
         torch.zeros(2, dtype=torch.int32).to(q.device)  # a host -> device copy per call
         return forward(self, kernel, q, *args)
 
-    monkeypatch.setattr(varlen.NativeCall, "forward", copying)
+    monkeypatch.setattr(native.NativeCall, "forward", copying)
     recs, out = _run(tmp_path, capsys, "--rows", "packed", "--paths", "cuda", "--layouts", "striped")
     assert recs[0]["h2d_copies"] == recs[0]["planned_forward_launches"] > 0
     assert "0 host-to-device copies per layer after the first: MISSED (0 of 1" in out

@@ -7,7 +7,8 @@ import random
 import torch
 
 from striped_sp.kernels.segments import Segments
-from striped_sp.kernels.varlen import Arena, native_programs
+from striped_sp.kernels.arena import Arena
+from striped_sp.kernels.native import native_programs
 
 
 def _call(rng, count, nq):

@@ -1,0 +1,184 @@
+"""Varlen programs for kernels with a varlen entry point (flash-attn, PyTorch's CUDA flash op):
+one call per window class on the rows of its segments, compiled for a whole plan at once
+(:func:`native_programs`).  Formats as in :mod:`striped_sp.kernels.varlen`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .arena import Arena, Slot
+from .merge import merge_block_safe as _merge
+from .merge import merge_rows as _merge_rows
+from .segments import _ranges
+
+__all__ = ["NativeCall", "native_programs"]
+
+
+@dataclasses.dataclass
+class _Group:
+    """One native varlen call: the segments of one window ``(wl, wr)``, their rows in the
+    ``[b * L]`` flattening (every batch row in turn), int32 cu_seqlens and longest segments.
+    Rows that are one range in order (a striped row's every document, back to back) are a span:
+    the call takes a slice of the tensors instead of gathering them, and merges into a slice."""
+
+    wl: int
+    wr: int
+    q_rows: Slot | None  # None: the rows are q_span
+    cu_q: Slot
+    max_q: int
+    k_rows: Slot | None
+    cu_k: Slot
+    max_k: int
+    total_q: int
+    q_span: tuple | None = None  # (first, count): the rows are first .. first + count - 1, in order
+    k_span: tuple | None = None
+
+
+class NativeCall:
+    """A varlen call for kernels with a varlen entry point, compiled for batch size ``b`` and
+    local lengths ``nq`` / ``nk``: one call per window class (:func:`native_programs`)."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+
+    def launches(self) -> int:
+        return len(self.groups)
+
+    def forward(self, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
+        """``kernel.varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale) -> (out [T, h, d],
+        lse [h, T])`` once per window group on the gathered rows, merged into the accumulators."""
+        b, nq, h, d = q.shape
+        nk = k.size(1)
+        qf, kf, vf = q.reshape(b * nq, h, d), k.reshape(b * nk, *k.shape[2:]), v.reshape(b * nk, *v.shape[2:])
+        acc_f = acc_out.view(b * nq, h, acc_out.size(-1)).unsqueeze(0)
+        lse_f = acc_lse.transpose(0, 1).reshape(1, h, b * nq)
+        for g in self.groups:
+            kg, vg = _take(kf, g.k_span, g.k_rows), _take(vf, g.k_span, g.k_rows)
+            o, l = kernel.varlen_forward_op(_take(qf, g.q_span, g.q_rows), kg, vg, g.cu_q.t, g.cu_k.t, g.max_q,
+                                            g.max_k, g.wl, g.wr, scale)
+            o, l = o.unsqueeze(0), l[:, : g.total_q].to(lse_f.dtype).unsqueeze(0)
+            if g.q_span is not None:
+                a, n = g.q_span
+                _merge(acc_f[:, a:a + n], lse_f[:, :, a:a + n], o, l)
+            else:
+                _merge_rows(acc_f, lse_f, g.q_rows.t, o, l)
+        if b != 1 or not acc_lse.is_contiguous():  # else lse_f is a view of acc_lse
+            acc_lse.copy_(lse_f.view(h, b, nq).transpose(0, 1))
+
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
+        """``kernel.varlen_backward_op(dout, q, k, v, out, lse [h, T], cu_q, cu_k, max_q, max_k, wl, wr, scale)
+        -> (dq, dk, dv)`` per window group, added into the float32 gradients."""
+        b, nq, h, d = q.shape
+        nk = k.size(1)
+
+        def flat(x, n):
+            return x.reshape(b * n, *x.shape[2:])
+
+        qf, kf, vf, dof, of = flat(q, nq), flat(k, nk), flat(v, nk), flat(dout, nq), flat(out, nq)
+        lf = lse.transpose(0, 1).reshape(h, b * nq)
+        dqf, dkf, dvf = dq.view(b * nq, h, d), dk.view(b * nk, *k.shape[2:]), dv.view(b * nk, *v.shape[2:])
+        for g in self.groups:
+            qs, qr, ks, kr = g.q_span, g.q_rows, g.k_span, g.k_rows
+            lse_g = lf.narrow(1, *qs) if qs is not None else lf.index_select(1, qr.t)
+            grads = kernel.varlen_backward_op(_take(dof, qs, qr), _take(qf, qs, qr), _take(kf, ks, kr),
+                                              _take(vf, ks, kr), _take(of, qs, qr), lse_g.contiguous(), g.cu_q.t,
+                                              g.cu_k.t, g.max_q, g.max_k, g.wl, g.wr, scale)
+            _add(dqf, qs, qr, grads[0].to(dqf.dtype))
+            _add(dkf, ks, kr, grads[1].to(dkf.dtype))
+            _add(dvf, ks, kr, grads[2].to(dvf.dtype))
+
+
+def _take(x: torch.Tensor, span: tuple | None, rows: Slot | None) -> torch.Tensor:
+    """Rows of ``x`` ``[T, ...]``: a slice for a span, else gathered."""
+    return x.narrow(0, *span) if span is not None else x.index_select(0, rows.t)
+
+
+def _add(x: torch.Tensor, span: tuple | None, rows: Slot | None, value: torch.Tensor) -> None:
+    if span is not None:
+        x.narrow(0, *span).add_(value)
+    else:
+        x.index_add_(0, rows.t, value)
+
+
+def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list:
+    """:class:`NativeCall` programs of many varlen calls at once (``calls``: their
+    :class:`Segments`), vectorised over every call and window class: the rows, int32 cu_seqlens
+    and longest segments of all groups come from one pass, their slots are views of four arena
+    tensors.  Within a group, entries run batch row by batch row, each in segment order."""
+    if not calls:
+        return []
+    counts = torch.tensor([len(c) for c in calls], dtype=torch.int64)
+    call = torch.repeat_interleave(torch.arange(len(calls)), counts)
+    wl, wr, q0, k0, lq, lk = (torch.cat([getattr(c, f) for c in calls]) for f in ("wl", "wr", "q_start", "k_start",
+                                                                                  "lq", "lk"))
+    # one int64 key per (call, window): windows numbered first (1-D uniques are fast, dim=0 is not)
+    wls, wl_id = torch.unique(wl, return_inverse=True)
+    wrs, wr_id = torch.unique(wr, return_inverse=True)
+    uniq, group = torch.unique((call * wls.numel() + wl_id) * wrs.numel() + wr_id, return_inverse=True)
+    keys = torch.stack([uniq // (wls.numel() * wrs.numel()), wls[uniq // wrs.numel() % wls.numel()],
+                        wrs[uniq % wrs.numel()]], 1)
+    # entries (segment, batch row) ordered by group, then batch row, then segment order
+    seg = torch.arange(call.numel()).repeat(b)
+    row = torch.arange(b).repeat_interleave(call.numel())
+    order = torch.argsort((group[seg] * b + row) * max(call.numel(), 1) + seg)
+    seg, row = seg[order], row[order]
+    g_of = group[seg]
+    sizes = torch.bincount(g_of, minlength=keys.size(0))
+    lens_q, lens_k = lq[seg], lk[seg]
+    firsts = torch.cumsum(sizes, 0) - sizes  # each group's first entry
+
+    def cu(lens):  # per group [0, cumsum of its lens]: groups back to back, (entries + 1) each
+        csum = torch.cumsum(lens, 0)
+        base = (csum - lens)[firsts]
+        vals = csum - torch.repeat_interleave(base, sizes)
+        out = torch.zeros(lens.numel() + keys.size(0), dtype=torch.int64)
+        at = torch.arange(lens.numel()) + torch.repeat_interleave(torch.arange(keys.size(0)), sizes) + 1
+        out[at] = vals
+        return out.to(torch.int32)
+
+    def per_group(x, how):
+        return torch.zeros(keys.size(0), dtype=torch.int64).scatter_reduce(0, g_of, x, how, include_self=False)
+
+    max_q, max_k = per_group(lens_q, "amax").tolist(), per_group(lens_k, "amax").tolist()
+    tot_q, tot_k = per_group(lens_q, "sum"), per_group(lens_k, "sum")
+    cu_first = (torch.cumsum(sizes + 1, 0) - (sizes + 1)).tolist()  # group g holds sizes[g] + 1 values
+    cus_q, cus_k = arena.add(cu(lens_q)), arena.add(cu(lens_k))
+    q_rows = _group_rows(q0[seg] + row * nq, lens_q, g_of, sizes, tot_q, arena)
+    k_rows = _group_rows(k0[seg] + row * nk, lens_k, g_of, sizes, tot_k, arena)
+    tot_q, sizes = tot_q.tolist(), sizes.tolist()
+    programs = [[] for _ in calls]
+    for g, (c, w_l, w_r) in enumerate(keys.tolist()):
+        (q_span, q_slot), (k_span, k_slot) = q_rows[g], k_rows[g]
+        # flash-attn turns an unbounded side of a one-sided window into max_seqlen_k; with
+        # bottom-right alignment that is exact only when max_seqlen_k >= every segment's lq
+        programs[c].append(_Group(w_l, w_r, q_slot, arena.view(cus_q, cu_first[g], sizes[g] + 1), max_q[g], k_slot,
+                                  arena.view(cus_k, cu_first[g], sizes[g] + 1), max(max_q[g], max_k[g]), tot_q[g],
+                                  q_span, k_span))
+    return [NativeCall(groups) for groups in programs]
+
+
+def _group_rows(starts, lens, g_of, sizes, totals, arena) -> list:
+    """Per group ``(span, None)`` when its entries' rows (``starts`` / ``lens`` in entry order, a
+    group's back to back) run as one range, else ``(None, slot)``: a view of one arena tensor
+    that holds the rows of every group that is not a span (expanded only for those)."""
+    groups = sizes.numel()
+    gap = (starts[1:] != starts[:-1] + lens[:-1]) & (g_of[1:] == g_of[:-1])
+    broken = torch.zeros(groups, dtype=torch.bool)
+    broken[g_of[1:][gap]] = True
+    firsts = torch.cumsum(sizes, 0) - sizes
+    first_row = starts[firsts.clamp(max=max(starts.numel() - 1, 0))] if starts.numel() else firsts
+    out = [None] * groups
+    for g, (b, a, n) in enumerate(zip(broken.tolist(), first_row.tolist(), totals.tolist())):
+        if not b:
+            out[g] = ((a, n), None)
+    if bool(broken.any()):
+        sel = broken[g_of]
+        rows = _ranges(starts[sel], lens[sel])
+        tot = torch.where(broken, totals, torch.zeros_like(totals))
+        at = (torch.cumsum(tot, 0) - tot).tolist()
+        parent = arena.add(rows)
+        for g in broken.nonzero().flatten().tolist():
+            out[g] = (None, arena.view(parent, at[g], int(totals[g])))
+    return out
