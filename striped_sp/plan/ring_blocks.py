@@ -64,8 +64,9 @@ def all_pieces(layout, spec, world_size: int):
 def ring_blocks(spec, world_size: int, rank: int, steps, pieces) -> dict:
     """``{step: [Segments, ...]}`` for ``steps`` (the ring steps to build; source of step ``t``:
     ``(rank - t) % world_size``) from :func:`all_pieces`; a step with nothing visible maps to
-    ``[]``.  Calls of a step are ordered by the key piece's place among its document's pieces on
-    the source (0, then 1: zigzag's two chunks), segments by query piece."""
+    ``[]``.  A query piece's pairs that :func:`_coalesce` joins are one segment; the calls of a
+    step are ordered by a segment's place among its query piece's (0, 1, ...), segments within a
+    call by query piece."""
     out = {t: [] for t in steps}
     owner, doc, local, pos, count, stride = pieces
     mine = owner == rank
@@ -84,7 +85,6 @@ def ring_blocks(spec, world_size: int, rank: int, steps, pieces) -> dict:
     nth = torch.arange(total) - (torch.cumsum(reps, 0) - reps)[pair]
     ki = first[pair] + nth
     qi = pair % qd.numel()
-    ti = pair // qd.numel()
     step_of = qs[qi]
     dist = qp[qi] - pos[ki]
     hi = (torch.div(dist + spec.right, step_of, rounding_mode="floor") if spec.right >= 0
