@@ -83,7 +83,7 @@ class Accumulator:
             if block_out.shape != self.shape:
                 raise RuntimeError("the first ring block must cover every local query")
             self.out = block_out.to(accumulator_dtype(block_out.dtype))
-            self.lse = block_lse.clone()
+            self.lse = block_lse.clone(memory_format=torch.contiguous_format)
             return
         merge_block(seq_slice(self.out, q_rows, self.fmt), self.lse[:, :, q_rows], block_out, block_lse, self.fmt)
 

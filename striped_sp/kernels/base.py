@@ -93,7 +93,8 @@ class Kernel:
         raise NotImplementedError
 
     def forward_native(self, q, k, v, causal: bool, scale: float):
-        """:meth:`forward` on tensors in :attr:`tensor_format` (out in it too, lse ``[b, h, s]``)."""
+        """:meth:`forward` on tensors in :attr:`tensor_format` (out in it too, lse ``[b, h, s]``, in
+        any strides: its callers merge it, so a copy to contiguous would be wasted)."""
         return self.forward(q, k, v, causal, scale)
 
     def backward_native(self, dout, q, k, v, out, lse, causal: bool, scale: float):

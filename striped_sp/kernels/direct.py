@@ -1,105 +1,150 @@
-"""The direct calls of a scheduled varlen call, their forward results merged per run of rows.
+"""The direct calls of a scheduled varlen call, in layers that take their views in one op each.
 
 A :class:`~striped_sp.kernels.schedule.Direct` piece is one plain kernel call on slices of the
-whole local tensors.  Merging each piece's ``(out, lse)`` into the accumulators as it comes costs
-about ten host ops per piece.  Consecutive pieces whose query rows follow one another (the
-documents of a striped row, back to back) form a :class:`DirectGroup`: their results are
-concatenated and merged into the accumulators' slice of those rows in one pass.  Pieces that
-cover rows already covered (a halved causal square's rectangle) start a new group, so a merge
-never sees a row twice and never needs an index.  Backward adds each piece's gradients into
-slices of ``dq`` / ``dk`` / ``dv`` at once: concatenating them first would copy every gradient
-once more (measured slower at 8 heads of 64 than the few ops it saves).
+whole local tensors.  Taking each piece's slices one by one costs a host op per tensor and piece
+(three forward, ten backward), and adding its gradients two more per gradient.  Pieces are
+therefore cut into :class:`DirectLayer` s: within a layer no two pieces share a query row or a
+key row, so a layer's pieces are chunks of one partition of the query rows and one of the key
+rows, and every tensor is cut into all of its pieces' views by one ``split``; backward adds a
+layer's gradients into the views of ``dq`` / ``dk`` / ``dv`` by one ``_foreach_add_`` each (no
+gradient is copied, and no two views of one add overlap).  A halved causal square's rectangle
+shares rows with both of its triangles: it goes into a second layer.
 
 The pieces run in the kernel's :attr:`~striped_sp.kernels.Kernel.tensor_format` on views of the
-``[b, s, h, d]`` tensors (for ``"bhsd"`` kernels one transpose per tensor and call instead of one
-per tensor and piece).  A group's rows are bounded (:func:`_budget`) so that its concatenated
-results stay within about one local tensor.
+``[b, s, h, d]`` tensors (for ``"bhsd"`` kernels one transpose per tensor and layer instead of one
+per tensor and piece).  The forward results are handed back, one per piece, for the caller's one
+merge per layer (:class:`~striped_sp.kernels.varlen.ScheduledCall`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
 
-from .merge import merge_block_safe
-
-__all__ = ["DirectGroup", "direct_groups", "forward_groups", "backward_groups"]
-
-#: the most query rows of one group, at least (else the local length)
-GROUP_ROWS = 4096
+__all__ = ["DirectLayer", "direct_layers", "layer_forward", "layer_backward", "as_format"]
 
 
 @dataclasses.dataclass(frozen=True)
-class DirectGroup:
-    """Pieces ``(q0, q1, k0, k1, causal)`` whose query rows run back to back, ``rows[0] ..
-    rows[1] - 1`` in all."""
+class DirectLayer:
+    """Pieces ``(q0, q1, k0, k1, causal)`` in query order, no query row and no key row twice.
+
+    ``q_sizes`` / ``k_sizes``: split sizes of the first rows of the query / key tensors, up to
+    the last row a piece takes (a ring step's keys may be more: :func:`_chunks`); piece ``i`` is
+    query chunk ``q_chunk[i]`` and key chunk ``k_chunk[i]``."""
 
     pieces: tuple
-    rows: tuple
+    q_sizes: tuple
+    q_chunk: tuple
+    k_sizes: tuple
+    k_chunk: tuple
+    q_extent: int  # sum(q_sizes)
+    k_extent: int
+
+    @property
+    def rows(self) -> list:
+        """The query row ranges ``(q0, q1)`` of the pieces, in order."""
+        return [(p[0], p[1]) for p in self.pieces]
 
 
-def _budget(nq: int) -> int:
-    """A group's most query rows: one local tensor's worth of concatenated results at most."""
-    return max(GROUP_ROWS, nq)
+def _partition(ranges: list) -> tuple[tuple, tuple]:
+    """Split sizes of the rows up to the end of the last of disjoint ``ranges``, cut at their
+    edges, and each range's chunk."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    sizes, chunk, at = [], [0] * len(ranges), 0
+    for i in order:
+        a, b = ranges[i]
+        if a > at:
+            sizes.append(a - at)
+        chunk[i] = len(sizes)
+        sizes.append(b - a)
+        at = b
+    return tuple(sizes), tuple(chunk)
 
 
-def direct_groups(pieces: list, nq: int) -> list:
-    """``pieces`` (:class:`~striped_sp.kernels.schedule.Direct`) cut, in order, into groups of
-    consecutive rows, each of at most :func:`_budget` rows."""
-    budget = _budget(nq)
-    groups, current = [], []
-
-    def close():
-        if current:
-            groups.append(DirectGroup(tuple(current), (current[0][0], current[-1][1])))
-
-    for p in pieces:
-        if current and (p.q0 != current[-1][1] or p.q1 - current[0][0] > budget):
-            close()
-            current = []
-        current.append((p.q0, p.q1, p.k0, p.k1, p.causal))
-    close()
-    return groups
+def _chunks(x: torch.Tensor, sizes: tuple, extent: int, dim: int) -> tuple:
+    """``x`` cut by ``sizes`` along ``dim`` (rows past their sum ``extent`` left out): one
+    ``split``, and a ``narrow`` before it where there are such rows."""
+    return (x if x.size(dim) == extent else x.narrow(dim, 0, extent)).split(sizes, dim)
 
 
-def _view(x: torch.Tensor, fmt: str) -> torch.Tensor:
+class _Intervals:
+    """Disjoint half-open intervals, sorted: does a new one overlap any?"""
+
+    def __init__(self):
+        self.starts, self.ends = [], []
+
+    def free(self, a: int, b: int) -> bool:
+        i = bisect.bisect_right(self.starts, a)
+        if i and self.ends[i - 1] > a:
+            return False
+        return i == len(self.starts) or self.starts[i] >= b
+
+    def add(self, a: int, b: int) -> None:
+        i = bisect.bisect_right(self.starts, a)
+        self.starts.insert(i, a)
+        self.ends.insert(i, b)
+
+
+def direct_layers(pieces: list) -> list:
+    """``pieces`` (:class:`~striped_sp.kernels.schedule.Direct`) in layers, each piece in the first
+    layer where neither its query rows nor its key rows are taken (pieces in query order)."""
+    layers = []  # [pieces, q intervals, k intervals]
+    for p in sorted(pieces, key=lambda p: (p.q0, p.k0)):
+        for layer in layers:
+            if layer[1].free(p.q0, p.q1) and layer[2].free(p.k0, p.k1):
+                break
+        else:
+            layer = [[], _Intervals(), _Intervals()]
+            layers.append(layer)
+        layer[0].append((p.q0, p.q1, p.k0, p.k1, p.causal))
+        layer[1].add(p.q0, p.q1)
+        layer[2].add(p.k0, p.k1)
+    out = []
+    for found, _, _ in layers:
+        found.sort()
+        q_sizes, q_chunk = _partition([(a, b) for a, b, _, _, _ in found])
+        k_sizes, k_chunk = _partition([(c, d) for _, _, c, d, _ in found])
+        out.append(DirectLayer(tuple(found), q_sizes, q_chunk, k_sizes, k_chunk, sum(q_sizes), sum(k_sizes)))
+    return out
+
+
+def as_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """``x`` ``[b, s, h, d]`` as a view in ``fmt`` (and back: the transpose is its own inverse)."""
     return x if fmt == "bshd" else x.transpose(1, 2)
 
 
-def forward_groups(groups: list, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
-    """Every group's pieces, merged into ``acc_out`` ``[b, Lq, h, dv]`` / ``acc_lse`` ``[b, h, Lq]``."""
-    if not groups:
-        return
+def layer_forward(layer: DirectLayer, kernel, q, k, v, scale) -> tuple[list, list]:
+    """The layer's results, one per piece in the layer's order: outputs in the kernel's
+    :attr:`~striped_sp.kernels.Kernel.tensor_format` and log-sum-exps ``[b, h, rows]``."""
     fmt = kernel.tensor_format
     sd = 1 if fmt == "bshd" else 2
-    qv, kv, vv = _view(q, fmt), _view(k, fmt), _view(v, fmt)
-    for g in groups:
-        outs, lses = [], []
-        for a, b, c, d, causal in g.pieces:
-            o, l = kernel.forward_native(qv.narrow(sd, a, b - a), kv.narrow(sd, c, d - c), vv.narrow(sd, c, d - c),
-                                         causal, scale)
-            outs.append(o)
-            lses.append(l)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, sd)
-        lse = lses[0] if len(lses) == 1 else torch.cat(lses, 2)
-        a, b = g.rows
-        merge_block_safe(acc_out[:, a:b], acc_lse[:, :, a:b], _view(out, fmt), lse)
+    qs = _chunks(as_format(q, fmt), layer.q_sizes, layer.q_extent, sd)
+    ks = _chunks(as_format(k, fmt), layer.k_sizes, layer.k_extent, sd)
+    vs = _chunks(as_format(v, fmt), layer.k_sizes, layer.k_extent, sd)
+    outs, lses = [], []
+    for p, i, j in zip(layer.pieces, layer.q_chunk, layer.k_chunk):
+        o, l = kernel.forward_native(qs[i], ks[j], vs[j], p[4], scale)
+        outs.append(o)
+        lses.append(l)
+    return outs, lses
 
 
-def backward_groups(groups: list, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
+def layer_backward(layer: DirectLayer, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
     """Every piece's gradients added into the float32 ``dq`` / ``dk`` / ``dv`` ``[b, s, h, d]``."""
-    if not groups:
-        return
     fmt = kernel.tensor_format
     sd = 1 if fmt == "bshd" else 2
-    dov, qv, kv, vv, ov, dqv, dkv, dvv = (_view(t, fmt) for t in (dout, q, k, v, out, dq, dk, dv))
-    for g in groups:
-        for a, b, c, d, causal in g.pieces:
-            grads = kernel.backward_native(dov.narrow(sd, a, b - a), qv.narrow(sd, a, b - a), kv.narrow(sd, c, d - c),
-                                           vv.narrow(sd, c, d - c), ov.narrow(sd, a, b - a), lse[:, :, a:b], causal,
-                                           scale)
-            dqv.narrow(sd, a, b - a).add_(grads[0])
-            dkv.narrow(sd, c, d - c).add_(grads[1])
-            dvv.narrow(sd, c, d - c).add_(grads[2])
+    qsz, ksz, qe, ke = layer.q_sizes, layer.k_sizes, layer.q_extent, layer.k_extent
+    dos, qs, os_, dqs = (_chunks(as_format(t, fmt), qsz, qe, sd) for t in (dout, q, out, dq))
+    ks, vs, dks, dvs = (_chunks(as_format(t, fmt), ksz, ke, sd) for t in (k, v, dk, dv))
+    lses = _chunks(lse, qsz, qe, 2)
+    gq, gk, gv = [], [], []
+    for p, i, j in zip(layer.pieces, layer.q_chunk, layer.k_chunk):
+        g = kernel.backward_native(dos[i], qs[i], ks[j], vs[j], os_[i], lses[i], p[4], scale)
+        gq.append(g[0])
+        gk.append(g[1])
+        gv.append(g[2])
+    torch._foreach_add_([dqs[i] for i in layer.q_chunk], gq)
+    torch._foreach_add_([dks[j] for j in layer.k_chunk], gk)
+    torch._foreach_add_([dvs[j] for j in layer.k_chunk], gv)

@@ -44,6 +44,9 @@ DIRECT_ENTRIES = TILE * TILE
 UNIFORM_COUNT, UNIFORM_ROWS = 4, 32
 #: a tile is split into edges and a dense middle when the middle is at least this wide
 MIDDLE_MIN = 64
+#: the sizes small causal squares are padded to (one batched call each; a square of ``m`` rows
+#: costs at most ``(class / m) ** 2``, about 2, of its own entries); smaller ones go into packs
+CAUSAL_CLASSES = (16, 24, 32, 48, 64, 96, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,8 @@ class Batch:
     #: ``(q_first, k_first, k_step)`` when entry ``p`` holds rows ``q_first + p*cq ..`` and keys
     #: ``k_first + p*k_step ..`` (the tiles of one long band): strided views replace the gathers
     strided: tuple | None = None
+    #: (``mask`` ``None``) each entry a causal square (top-left: row ``x`` sees keys ``<= x``)
+    causal: bool = False
 
 
 @dataclasses.dataclass
@@ -223,15 +228,17 @@ def _pack_batch(q0, lq, k0, lk, lo, hi, cls: int) -> Batch:
         return index, owner.view(npacks, -1), where.view(npacks, -1), real
 
     q_index, row_item, row_x, q_real = lay_out(lq, q0, q_in, cq, -1)
-    k_index, col_item, col_y, k_real = lay_out(lk, k0, k_in, ck, -2)
-    # the [packs, cq, ck] comparisons in int32 (offsets inside a pack are small; the bands are
-    # clamped to the pack): half the bytes of int64, the mask's build is most of a CPU plan's compile
-    span = cq + ck
-    d = col_y.int().unsqueeze(1) - row_x.int().unsqueeze(2)
-    owner = torch.clamp(row_item, min=0).unsqueeze(2)
-    lo32, hi32 = (torch.clamp(x, -span, span).int()[owner] for x in (lo, hi))
-    mask = (row_item.int().unsqueeze(2) == col_item.int().unsqueeze(1)) & (d >= lo32) & (d <= hi32)
-    mask[:, :, 0] |= row_item < 0  # padding rows see the first key of their pack
+    k_index, _, _, k_real = lay_out(lk, k0, k_in, ck, -2)
+    # A row sees one run of its pack's key slots: its item's keys inside the band.  The mask is
+    # two int32 comparisons per entry against those bounds (its build is most of a CPU plan's
+    # compile); a padding row sees the first key of its pack.
+    item = torch.clamp(row_item, min=0)
+    first = k_in[item] + torch.clamp(row_x + lo[item], min=0)
+    end = k_in[item] + torch.minimum(lk[item] - 1, row_x + hi[item]) + 1
+    pad = row_item < 0
+    first, end = torch.where(pad, 0, first).int().unsqueeze(2), torch.where(pad, 1, end).int().unsqueeze(2)
+    col = torch.arange(ck, dtype=torch.int32)
+    mask = (col >= first) & (col < end)
     return Batch(q_index, k_index, mask.unsqueeze(1), npacks, cq, ck, q_real, k_real,
                  _strided(q_index, k_index, npacks, cq, ck) if q_real is None and k_real is None else None)
 
@@ -249,15 +256,40 @@ def _strided(q_index, k_index, npacks: int, cq: int, ck: int) -> tuple | None:
     return int(qi[0, 0]), int(ki[0, 0]), step
 
 
+def _causal_batches(q0, lq, k0) -> list:
+    """Causal squares of at most ``TILE`` rows, one batch per :data:`CAUSAL_CLASSES` class, each
+    square padded at its end to its class and called causal without a mask: a real row sees only
+    keys before it, so never a padding key (padding rows are dropped, and add no gradient)."""
+    classes = torch.tensor(CAUSAL_CLASSES)
+    cls = classes[torch.searchsorted(classes, lq)]
+    batches = []
+    for c in torch.unique(cls).tolist():
+        sel = cls == c
+        n = int(sel.sum())
+        off = torch.arange(c)
+        real = off.unsqueeze(0) < lq[sel].unsqueeze(1)  # [n, c]
+        q_index = torch.where(real, q0[sel].unsqueeze(1) + off, 0).flatten()
+        k_index = torch.where(real, k0[sel].unsqueeze(1) + off, 0).flatten()
+        slots = None if bool(real.all()) else real.flatten().nonzero().flatten()
+        strided = _strided(q_index, k_index, n, c, c) if slots is None else None
+        batches.append(Batch(q_index, k_index, None, n, c, c, slots, slots, strided, causal=True))
+    return batches
+
+
 def _masked_batches(items) -> list:
-    """Batches for band items with distinct rows: uniform classes first, then packs by size."""
+    """Batches for band items with distinct rows: causal squares by class, uniform shapes, then
+    packs by size."""
     if items[1].numel() == 0:
         return []
     q0, lq, k0, lk, lo, hi = items
+    square = (lq == lk) & (lo <= 1 - lq) & (hi == 0) & (lq <= TILE) & (lq >= CAUSAL_CLASSES[0])
+    batches = _causal_batches(q0[square], lq[square], k0[square]) if bool(square.any()) else []
+    if bool(square.all()):
+        return batches
+    q0, lq, k0, lk, lo, hi = items = tuple(t[~square] for t in items)
     sig = torch.stack([lq, lk, torch.maximum(lo, -lq), torch.minimum(hi, lk)], 1)
     uniq, inverse, counts = torch.unique(sig, dim=0, return_inverse=True, return_counts=True)
     chosen = (counts >= UNIFORM_COUNT) & (uniq[:, 0] >= UNIFORM_ROWS)
-    batches = []
     for u in chosen.nonzero().flatten().tolist():
         sel = inverse == u
         a, b, c, d = uniq[u].tolist()
@@ -274,19 +306,26 @@ def _masked_batches(items) -> list:
 
 
 def _dense_pieces(q0, lq, k0, lk, direct: list) -> list:
-    """Dense items: repeated shapes as one batched call, the others as direct calls."""
+    """Dense items (distinct rows): repeated shapes as one batched call; the others as direct
+    calls when large, else in packs (their mask only keeps each item to its own keys)."""
     batches = []
     if lq.numel() == 0:
         return batches
     sig = torch.stack([lq, lk], 1)
     uniq, inverse, counts = torch.unique(sig, dim=0, return_inverse=True, return_counts=True)
+    small = torch.zeros(lq.numel(), dtype=torch.bool)
     for u in range(uniq.size(0)):
         sel = inverse == u
         a, b = uniq[u].tolist()
         if counts[u] >= UNIFORM_COUNT:
             batches += _uniform_batch(q0[sel], k0[sel], a, b, None, None)
-        else:
+        elif a * b >= DIRECT_ENTRIES:
             direct += [Direct(s, s + a, t, t + b, False) for s, t in zip(q0[sel].tolist(), k0[sel].tolist())]
+        else:
+            small |= sel
+    if bool(small.any()):
+        unbounded = torch.full((int(small.sum()),), INF, dtype=torch.int64)
+        batches += _masked_batches((q0[small], lq[small], k0[small], lk[small], -unbounded, unbounded))
     return batches
 
 

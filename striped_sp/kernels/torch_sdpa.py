@@ -155,7 +155,7 @@ class TorchKernel(Kernel):
 
     def forward(self, q, k, v, causal, scale):
         out, lse = self.forward_native(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
-        return out.transpose(1, 2), lse
+        return out.transpose(1, 2), lse.contiguous()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         grads = self.backward_native(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, causal, scale)
@@ -165,7 +165,7 @@ class TorchKernel(Kernel):
         """``q`` ``[b, h, s, d]``, ``k``/``v`` ``[b, kv_heads, s_k, d]`` (any strides)."""
         if _uses_cpu_op(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-            return out, lse.to(accumulator_dtype(q.dtype)).contiguous()
+            return out, lse.to(accumulator_dtype(q.dtype))  # [b, s, h] in memory: a copy only where needed
         op = self._cuda_op(q)
         return self._cuda_forward(op, q, k, v, causal, scale, expand=not self._gqa_native(op, q, k))
 

@@ -26,12 +26,12 @@ import dataclasses
 import torch
 
 from .arena import Arena, Slot
-from .direct import backward_groups, direct_groups, forward_groups
+from .direct import DirectLayer, as_format, direct_layers, layer_backward, layer_forward
 from .merge import merge_block_safe as _merge
 from .merge import merge_rows as _merge_rows
 from .native import NativeCall, native_programs
 from .schedule import TILE, Batch, schedule
-from .segments import Segments
+from .segments import Segments, _ranges
 
 __all__ = ["TILE", "Arena", "ScheduledCall", "NativeCall", "compile_call", "compile_steps", "native_programs"]
 
@@ -53,6 +53,7 @@ class _Batch:
     q_rows: Slot | None         # the real slots' local rows (the merge / dq scatter)
     k_rows: Slot | None
     q_pad: Slot | None          # the padding slots (backward zeroes them)
+    causal: bool = False        # no mask, each entry a causal square
 
 
 def _v(slot: Slot | None):
@@ -67,7 +68,7 @@ def _compile_batch(p: Batch, b: int, arena: Arena, mask_form) -> _Batch:
         mask = mask_form(mask)
     strided = p.strided if b == 1 else None
     if strided is not None:
-        return _Batch(p.packs, p.cq, p.ck, strided, arena.add(mask), *([None] * 7))
+        return _Batch(p.packs, p.cq, p.ck, strided, arena.add(mask), *([None] * 7), p.causal)
     q_rows = p.q_index if p.q_real is None else p.q_index[p.q_real]
     k_rows = p.k_index if p.k_real is None else p.k_index[p.k_real]
     q_pad = None
@@ -76,44 +77,114 @@ def _compile_batch(p: Batch, b: int, arena: Arena, mask_form) -> _Batch:
         keep[p.q_real] = False
         q_pad = keep.nonzero().flatten()
     return _Batch(p.packs, p.cq, p.ck, None, arena.add(mask), arena.add(p.q_index), arena.add(p.k_index),
-                  arena.add(p.q_real), arena.add(p.k_real), arena.add(q_rows), arena.add(k_rows), arena.add(q_pad))
+                  arena.add(p.q_real), arena.add(p.k_real), arena.add(q_rows), arena.add(k_rows), arena.add(q_pad),
+                  p.causal)
+
+
+@dataclasses.dataclass
+class _Layer:
+    """Results merged into the accumulators at once: the direct pieces of one
+    :class:`~striped_sp.kernels.direct.DirectLayer` and batches whose rows none of them has.  Their
+    outputs are concatenated in order (a batch's with its padding slots); ``keep``: the positions
+    of that concatenation that hold real rows (``None``: all); ``rows``: those positions' local
+    rows, distinct; ``span``: ``(a, b)`` when they are ``a .. b - 1`` in order (a slice, no index)."""
+
+    direct: DirectLayer | None
+    batches: list
+    keep: Slot | None
+    rows: Slot | None
+    span: tuple | None
+
+
+def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Arena) -> list:
+    """The merge layers of a call: one per direct layer, each batch in the first layer that has
+    none of its rows (a new one if none)."""
+    taken, members, piece_rows = [], [], []
+    for layer in direct:
+        span = torch.tensor(layer.rows, dtype=torch.int64).view(-1, 2)
+        rows = _ranges(span[:, 0], span[:, 1] - span[:, 0])
+        occ = torch.zeros(nq, dtype=torch.bool)
+        occ[rows] = True
+        taken.append(occ)
+        members.append([])
+        piece_rows.append(rows)
+    for p, src in zip(batches, plan_batches):
+        rows = _batch_rows(src)
+        for i, occ in enumerate(taken):
+            if not bool(occ[rows].any()):
+                break
+        else:
+            i = len(taken)
+            taken.append(torch.zeros(nq, dtype=torch.bool))
+            members.append([])
+        taken[i][rows] = True
+        members[i].append((p, src))
+    out = []
+    for i, found in enumerate(members):
+        rows = [piece_rows[i]] if i < len(direct) else []
+        at = rows[0].numel() if rows else 0
+        keep = [torch.arange(at)]
+        for _, src in found:
+            slots = src.packs * src.cq
+            keep.append(at + (torch.arange(slots) if src.q_real is None else src.q_real))
+            rows.append(_batch_rows(src))
+            at += slots
+        rows = torch.cat(rows)
+        first = int(rows[0])
+        span = (first, first + rows.numel()) if bool((rows == torch.arange(first, first + rows.numel())).all()) else None
+        padded = any(src.q_real is not None for _, src in found)
+        out.append(_Layer(direct[i] if i < len(direct) else None, [p for p, _ in found],
+                          arena.add(torch.cat(keep)) if padded else None, None if span is not None else arena.add(rows),
+                          span))
+    return out
+
+
+def _batch_rows(p: Batch) -> torch.Tensor:
+    """The local query rows of a batch's real slots, in slot order."""
+    return p.q_index if p.q_real is None else p.q_index[p.q_real]
 
 
 class ScheduledCall:
     """A varlen call for kernels without a varlen entry point: direct calls on slices and batched
-    masked calls (:func:`~striped_sp.kernels.schedule.schedule`), compiled for batch size ``b`` and
-    ``nq`` local query rows; the direct calls in groups merged at once (:mod:`~striped_sp.kernels.direct`)."""
+    masked calls (:func:`~striped_sp.kernels.schedule.schedule`), compiled for batch size ``b``,
+    ``nq`` local query rows and ``nk`` key rows; their forward results merged once per layer of
+    distinct rows, the direct calls' views taken once per layer (:mod:`~striped_sp.kernels.direct`)."""
 
     def __init__(self, segs: Segments, b: int, arena: Arena, nq: int, nk: int, halve=None, mask_form=None):
         plan = schedule(segs, halve)
         self.direct = plan.direct
-        self.groups = direct_groups(plan.direct, nq)
+        self.direct_layers = direct_layers(plan.direct)
         form = mask_form or (lambda m: m)
         self.batches = [_compile_batch(p, b, arena, form) for p in plan.batches]
+        self.layers = _layers(self.direct_layers, self.batches, plan.batches, nq, arena)
 
     def launches(self) -> int:
         """Kernel calls per forward (the same per backward)."""
         return len(self.direct) + len(self.batches)
 
     def forward(self, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
-        b, _, h, _ = q.shape
-        forward_groups(self.groups, kernel, q, k, v, scale, acc_out, acc_lse)
-        for p in self.batches:
-            mask = _v(p.mask)
-            if p.strided is not None:
-                _strided_forward(kernel, p, q, k, v, mask, scale, acc_out, acc_lse)
-                continue
-            qi, ki = p.q_index.t, p.k_index.t
-            qb, kb, vb = _gather(q, qi, p.packs, p.cq), _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck)
-            o, l = _attend(kernel, qb, kb, vb, mask, scale)
-            o = _flat(o, b, p.packs, p.cq)
-            l = l.view(b, p.packs, h, p.cq).transpose(1, 2).reshape(b, h, p.packs * p.cq)
-            real = _v(p.q_real)
-            _merge_rows(acc_out, acc_lse, p.q_rows.t, _real(o, real), _real(l, real, 2))
+        fmt = kernel.tensor_format  # the direct pieces' results are in it: concatenated in it
+        sd = 1 if fmt == "bshd" else 2
+        for layer in self.layers:
+            outs, lses = ([], []) if layer.direct is None else layer_forward(layer.direct, kernel, q, k, v, scale)
+            for p in layer.batches:
+                o, l = _batch_forward(kernel, p, q, k, v, scale)
+                outs.append(as_format(o, fmt))
+                lses.append(l)
+            out = as_format(outs[0] if len(outs) == 1 else torch.cat(outs, sd), fmt)
+            lse = lses[0] if len(lses) == 1 else torch.cat(lses, 2)
+            if layer.keep is not None:
+                out, lse = out.index_select(1, layer.keep.t), lse.index_select(2, layer.keep.t)
+            if layer.span is not None:
+                a, b = layer.span
+                _merge(acc_out[:, a:b], acc_lse[:, :, a:b], out, lse)
+            else:
+                _merge_rows(acc_out, acc_lse, layer.rows.t, out, lse)
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
         b, _, h, d = q.shape
-        backward_groups(self.groups, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv)
+        for layer in self.direct_layers:
+            layer_backward(layer, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv)
         for p in self.batches:
             mask = _v(p.mask)
             if p.strided is not None:
@@ -132,11 +203,26 @@ class ScheduledCall:
             lse_b = lse_b.view(b, h, p.packs, p.cq).transpose(1, 2).reshape(b * p.packs, h, p.cq)
             args = (do_b, q_b, _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck),
                     _gather(out, qi, p.packs, p.cq), lse_b.contiguous())
-            g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
+            g = kernel.backward(*args, p.causal, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
             q_real, k_real = _v(p.q_real), _v(p.k_real)
             _index_add_rows(dq, p.q_rows.t, _real(_flat(g[0], b, p.packs, p.cq), q_real).to(dq.dtype))
             _index_add_rows(dk, p.k_rows.t, _real(_flat(g[1], b, p.packs, p.ck), k_real).to(dk.dtype))
             _index_add_rows(dv, p.k_rows.t, _real(_flat(g[2], b, p.packs, p.ck), k_real).to(dv.dtype))
+
+
+def _batch_forward(kernel, p: _Batch, q, k, v, scale) -> tuple:
+    """One batched call's results over all its slots: ``[b, packs * cq, h, dv]``, ``[b, h, packs * cq]``."""
+    b, _, h, _ = q.shape
+    mask = _v(p.mask)
+    if p.strided is not None:
+        qf, kf, step = p.strided
+        o, l = _attend(kernel, _windows(q, qf, p.cq, p.packs, p.cq), _windows(k, kf, step, p.packs, p.ck),
+                       _windows(v, kf, step, p.packs, p.ck), mask, scale, p.causal)
+        return o.reshape(1, p.packs * p.cq, *o.shape[2:]), l.transpose(0, 1).reshape(1, h, p.packs * p.cq)
+    qi, ki = p.q_index.t, p.k_index.t
+    o, l = _attend(kernel, _gather(q, qi, p.packs, p.cq), _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck),
+                   mask, scale, p.causal)
+    return _flat(o, b, p.packs, p.cq), l.view(b, p.packs, h, p.cq).transpose(1, 2).reshape(b, h, p.packs * p.cq)
 
 
 def _index_add_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
@@ -175,16 +261,6 @@ def _add_windows(acc: torch.Tensor, value: torch.Tensor, first: int, step: int, 
         _windows(acc, first + ph * step, phases * step, part.size(0), width).add_(part)
 
 
-def _strided_forward(kernel, p: _Batch, q, k, v, mask, scale, acc_out, acc_lse) -> None:
-    qf, kf, step = p.strided
-    o, l = _attend(kernel, _windows(q, qf, p.cq, p.packs, p.cq), _windows(k, kf, step, p.packs, p.ck),
-                   _windows(v, kf, step, p.packs, p.ck), mask, scale)
-    r1 = qf + p.packs * p.cq
-    h = q.size(2)
-    _merge(acc_out[:, qf:r1], acc_lse[:, :, qf:r1], o.reshape(1, p.packs * p.cq, *o.shape[2:]),
-           l.transpose(0, 1).reshape(1, h, p.packs * p.cq))
-
-
 def _strided_backward(kernel, p: _Batch, dout, q, k, v, out, lse, mask, scale, dq, dk, dv) -> None:
     qf, kf, step = p.strided
     r1 = qf + p.packs * p.cq
@@ -193,14 +269,14 @@ def _strided_backward(kernel, p: _Batch, dout, q, k, v, out, lse, mask, scale, d
     args = (_windows(dout, qf, p.cq, p.packs, p.cq), _windows(q, qf, p.cq, p.packs, p.cq),
             _windows(k, kf, step, p.packs, p.ck), _windows(v, kf, step, p.packs, p.ck),
             _windows(out, qf, p.cq, p.packs, p.cq), lse_b)
-    g = kernel.backward(*args, False, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
+    g = kernel.backward(*args, p.causal, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
     dq[:, qf:r1] += g[0].reshape(1, p.packs * p.cq, *g[0].shape[2:])
     _add_windows(dk, g[1].to(dk.dtype), kf, step, p.ck)
     _add_windows(dv, g[2].to(dv.dtype), kf, step, p.ck)
 
 
-def _attend(kernel, q, k, v, mask, scale):
-    return kernel.forward(q, k, v, False, scale) if mask is None else kernel.forward_masked(q, k, v, mask, scale)
+def _attend(kernel, q, k, v, mask, scale, causal: bool = False):
+    return kernel.forward(q, k, v, causal, scale) if mask is None else kernel.forward_masked(q, k, v, mask, scale)
 
 
 def _real(x: torch.Tensor, real: torch.Tensor | None, dim: int = 1) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The scheduled varlen path's direct calls: their grouped merge (slices, distinct rows, rows
-covered by several pieces) against a float64 reference, the halving rule that decides how many
+"""The scheduled varlen path's direct calls: their layers (distinct query and key rows, one
+merge each, batches merged with them) against a float64 reference, the halving rule that decides how many
 pieces a causal square becomes, the host ops per piece, and masks compiled once per batch."""
 
 import collections
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from striped_sp.kernels import KERNELS
-from striped_sp.kernels import direct
+from striped_sp.kernels import schedule as schedule_mod
 from striped_sp.kernels.schedule import halving_rule, schedule
 from striped_sp.kernels.segments import Segments
 from striped_sp.kernels.varlen import Arena, compile_call
@@ -19,13 +19,15 @@ from striped_sp.plan.ring_plan import _halving
 SCALE = 0.25
 
 
-def _segments(docs, causal=True, gap=0):
-    """One segment per document length, every one causal (or full), ``gap`` rows between them."""
+def _segments(docs, causal=True, gap=0, k_starts=None):
+    """One segment per document length, every one causal (or full), ``gap`` rows between them;
+    ``k_starts``: the segments' first keys (default: their first rows)."""
     lq = torch.tensor(docs)
     starts = torch.cumsum(lq + gap, 0) - lq - gap
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lq, 0)])
     wr = torch.zeros(len(docs), dtype=torch.int64) if causal else torch.full((len(docs),), -1)
-    return Segments(cu, cu, torch.full((len(docs),), -1), wr, starts, starts)
+    ks = starts if k_starts is None else torch.tensor(k_starts)
+    return Segments(cu, cu, torch.full((len(docs),), -1), wr, starts, ks)
 
 
 def _reference(q, k, v, segs):
@@ -34,15 +36,15 @@ def _reference(q, k, v, segs):
     out = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full((q.size(0), q.size(2), q.size(1)), float("-inf"), dtype=torch.float64)
     for t in range(len(segs)):
-        a, n = int(segs.q_start[t]), int(segs.lq[t])
+        a, c, n = int(segs.q_start[t]), int(segs.k_start[t]), int(segs.lq[t])
         s = torch.einsum("bqhd,bkhd->bhqk", q[:, a:a + n].double(),
-                         k[:, a:a + n].double().repeat_interleave(g, 2)) * SCALE
+                         k[:, c:c + n].double().repeat_interleave(g, 2)) * SCALE
         if int(segs.wr[t]) == 0:
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         rows = torch.arange(a, a + n)
         lse = lse.index_copy(2, rows, torch.logsumexp(s, -1))
         out = out.index_copy(1, rows, torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1),
-                                                   v[:, a:a + n].double().repeat_interleave(g, 2)))
+                                                   v[:, c:c + n].double().repeat_interleave(g, 2)))
     return out, lse
 
 
@@ -54,6 +56,17 @@ def _run_program(kernel, program, q, k, v, dout):
     grads = [torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v)]
     kernel.backward_varlen(dout, q, k, v, out, lse, program, SCALE, *grads)
     return (out, lse, *grads)
+
+
+def _check_program(kernel, program, q, k, v, dout, segs):
+    """The program's forward and gradients against float64; returns the reference ``(out, lse)``."""
+    got = _run_program(kernel, program, q, k, v, dout)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _reference(qr, kr, vr, segs)
+    (ref * dout.double()).sum().backward()
+    for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got, (ref, ref_lse, qr.grad, kr.grad, vr.grad)):
+        assert _err(x, want) < 1e-5, name
+    return ref, ref_lse
 
 
 def _err(x, ref):
@@ -72,36 +85,47 @@ def _compiled(kernel, segs, b, n, halve):
 NEVER = halving_rule(lambda r, k, c: 1.0, 1e9)  # one more call never pays: squares stay whole
 
 
+def _disjoint(ranges) -> bool:
+    ranges = sorted(ranges)
+    return all(r[1] <= nxt[0] for r, nxt in zip(ranges, ranges[1:]))
+
+
+CASES = {  # docs, gap, halve, batch rows, key starts, layers
+    "span": ([130, 140, 129, 150], 0, NEVER, 1, None, 1),
+    "gaps": ([130, 140, 129, 150], 3, NEVER, 1, None, 1),
+    "halved": ([600, 300], 2, None, 1, None, 3),  # 600 rows: halved twice
+    "batch2": ([600, 140], 1, None, 2, None, 3),
+    "shared_keys": ([130, 140, 150], 0, NEVER, 1, [0, 0, 300], 2),
+    "mixed": ([130, 20, 33, 140, 17, 60], 0, NEVER, 1, None, 1),
+}
+
+
 @pytest.mark.parametrize("backend", ["torch", "math"])
-@pytest.mark.parametrize("case", ["span", "gaps", "halved", "batch2"])
-def test_grouped_merge_matches_float64(backend, case, seed, monkeypatch):
-    """Direct pieces in groups of consecutive rows, merged at once: documents back to back (groups
-    cut by the row budget), with gaps between them (a group each), a halved causal square (its
-    rectangles cover rows again: new groups), two batch rows."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_layered_merge_matches_float64(backend, case, seed):
+    """Direct pieces in layers of distinct query and key rows, each layer's results merged at once:
+    documents back to back (one slice), with gaps between them (an index), a halved causal square
+    (its rectangle shares rows with both triangles: a second layer), two batch rows, two documents
+    that see the same keys (two layers), short documents between long ones (their batches merged
+    with the direct pieces)."""
     kernel = KERNELS[backend]
-    docs, gap, halve, b = {"span": ([130, 140, 129, 150], 0, NEVER, 1), "gaps": ([130, 140, 129, 150], 3, NEVER, 1),
-                           "halved": ([600, 300], 2, None, 1), "batch2": ([600, 140], 1, None, 2)}[case]
-    monkeypatch.setattr(direct, "_budget", lambda nq: 300)
-    segs = _segments(docs, gap=gap)
-    n = int(segs.q_start[-1] + segs.lq[-1]) + gap
+    docs, gap, halve, b, k_starts, n_layers = CASES[case]
+    segs = _segments(docs, gap=gap, k_starts=k_starts)
+    n = max(int(segs.q_start[-1] + segs.lq[-1]) + gap, int((segs.k_start + segs.lk).max()))
     program = _compiled(kernel, segs, b, n, halve)
-    sizes = [len(g.pieces) for g in program.groups]
-    assert {"span": [2, 2], "gaps": [1, 1, 1, 1]}.get(case, sizes) == sizes
-    if case == "halved":
-        assert len(program.direct) > len(program.groups) > 2
-    for g in program.groups:  # each group's rows: its pieces' back to back, once
-        assert g.rows == (g.pieces[0][0], g.pieces[-1][1])
-        assert all(p[1] == nxt[0] for p, nxt in zip(g.pieces, g.pieces[1:]))
-    assert not program.batches
+    assert len(program.layers) == n_layers, [x.pieces for x in program.direct_layers]
+    for layer in program.direct_layers:  # no query row, no key row twice in a layer
+        assert _disjoint([p[:2] for p in layer.pieces]) and _disjoint([p[2:4] for p in layer.pieces])
+        assert layer.q_extent == sum(layer.q_sizes) == max(p[1] for p in layer.pieces)
+        assert layer.k_extent == sum(layer.k_sizes) == max(p[3] for p in layer.pieces)
+    assert (program.layers[0].span is not None) == (case in ("span",))
+    assert bool(program.batches) == (case == "mixed")
+    if case == "mixed":
+        assert program.layers[0].direct is not None and program.layers[0].batches
     gen = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(b, n, 4, 16, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, n, 2, 16, generator=gen) for _ in range(2))
-    got = _run_program(kernel, program, q, k, v, dout)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = _reference(qr, kr, vr, segs)
-    (ref * dout.double()).sum().backward()
-    for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got, (ref, ref_lse, qr.grad, kr.grad, vr.grad)):
-        assert _err(x, want) < 1e-5, name
+    ref, ref_lse = _check_program(kernel, program, q, k, v, dout, segs)
     # merged into accumulators that hold a result already (a ring's later steps): a softmax-weighted
     # mean with it, whichever of the two log-sum-exps is larger
     rows = ~torch.isinf(ref_lse)
@@ -141,14 +165,15 @@ class _Ops(TorchDispatchMode):
 
 def test_host_ops_per_piece_are_few():
     """Forward + backward of a program of many whole causal documents back to back (one piece
-    each): about 3 ops per piece forward (the slices) and 13 backward (the slices, the lse for
-    the backward op, the three gradient adds); the forward merge once per group, not per piece."""
+    each, one layer): one kernel call per piece and pass and, beside them, one op per piece (the
+    backward op's lse) and a few per layer (the splits, the concatenation and merge, the three
+    gradient adds): no op per piece for its views, its merge or its gradient adds."""
     kernel = KERNELS["torch"]
     docs = [130 + 3 * i for i in range(40)]  # each at least the direct size, distinct lengths
-    segs = _segments(docs)
+    segs = _segments(docs, gap=1)
     n = int(segs.q_start[-1] + segs.lq[-1])
     program = _compiled(kernel, segs, 1, n, NEVER)
-    assert len(program.direct) == len(docs) and len(program.groups) == 1
+    assert len(program.direct) == len(docs) and len(program.layers) == 1
     q, k, v, dout = (torch.randn(1, n, 2, 16) for _ in range(4))
     with _Ops() as ops:
         _run_program(kernel, program, q, k, v, dout)
@@ -156,14 +181,15 @@ def test_host_ops_per_piece_are_few():
         ops.ops["_scaled_dot_product_flash_attention_for_cpu_backward"]
     assert kernels == 2 * len(docs)
     other = sum(ops.ops.values()) - kernels
-    assert other <= 17 * len(docs) + 40, (other, ops.ops.most_common(8))
+    assert other <= len(docs) + 50, (other, ops.ops.most_common(8))
+    assert ops.ops["split_with_sizes"] == 12 and ops.ops["_foreach_add_"] == 3 and ops.ops["slice"] == 0
 
 
 def test_masks_are_compiled_once():
     """Batched masked calls on the CPU get their additive mask at compile time: running the
     program builds none (no masked_fill), and the result is exact."""
     kernel = KERNELS["torch"]
-    segs = _segments([20, 33, 41, 17, 60, 12], gap=1)  # short documents: packs with a mask
+    segs = _segments([20, 33, 41, 17, 60, 12], causal=False, gap=1)  # short full documents: packs with a mask
     n = int(segs.q_start[-1] + segs.lq[-1])
     program = _compiled(kernel, segs, 1, n, None)
     assert program.batches and all(p.mask is not None and p.mask.t.dtype == torch.float32 for p in program.batches)
@@ -173,3 +199,25 @@ def test_masks_are_compiled_once():
     assert ops.ops["masked_fill_"] == 0 and ops.ops["masked_fill"] == 0
     ref, _ = _reference(q, k, v, segs)
     assert _err(got[0], ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+def test_small_causal_squares_run_unmasked(backend, seed):
+    """Short causal documents of every size: one batched causal call per size class, each square
+    padded at its end, no mask built (under 16 rows: packs with a mask); exact forward and gradients (padding keys unseen, padding
+    rows adding nothing)."""
+    kernel = KERNELS[backend]
+    gen = torch.Generator().manual_seed(seed)
+    docs = torch.randint(1, 128, (30,), generator=gen).tolist() + [16, 127, 1, 5]  # 128 x 128: direct
+    segs = _segments(docs, gap=2)
+    n = int(segs.q_start[-1] + segs.lq[-1]) + 2
+    program = _compiled(kernel, segs, 1, n, NEVER)
+    classes = schedule_mod.CAUSAL_CLASSES
+    used = {min(c for c in classes if c >= m) for m in docs if m >= classes[0]}
+    assert not program.direct and sum(p.causal for p in program.batches) == len(used)
+    assert all(p.mask is None for p in program.batches if p.causal)
+    assert sum(p.mask is not None for p in program.batches) >= 1  # the documents under 16 rows: packs
+    q, dout = (torch.randn(1, n, 4, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, n, 2, 16, generator=gen) for _ in range(2))
+    q[:, ::7] *= 30  # large scores on some rows: a padding row that leaked would show
+    _check_program(kernel, program, q, k, v, dout, segs)
