@@ -46,12 +46,8 @@ class _Batch:
     ck: int
     strided: tuple | None
     mask: Slot | None          # [b * packs or 1, 1, cq, ck], bool or the kernel.compile_mask form (None: dense)
-    q_index: Slot | None        # [packs * cq] local rows gathered (None when strided)
+    q_index: Slot | None        # [packs * cq] local rows gathered (None when strided); padding slots: row 0
     k_index: Slot | None
-    q_real: Slot | None         # slots of real rows (None: all)
-    k_real: Slot | None
-    q_rows: Slot | None         # the real slots' local rows (the merge / dq scatter)
-    k_rows: Slot | None
     q_pad: Slot | None          # the padding slots (backward zeroes them)
     causal: bool = False        # no mask, each entry a causal square
 
@@ -68,17 +64,14 @@ def _compile_batch(p: Batch, b: int, arena: Arena, mask_form) -> _Batch:
         mask = mask_form(mask)
     strided = p.strided if b == 1 else None
     if strided is not None:
-        return _Batch(p.packs, p.cq, p.ck, strided, arena.add(mask), *([None] * 7), p.causal)
-    q_rows = p.q_index if p.q_real is None else p.q_index[p.q_real]
-    k_rows = p.k_index if p.k_real is None else p.k_index[p.k_real]
+        return _Batch(p.packs, p.cq, p.ck, strided, arena.add(mask), None, None, None, p.causal)
     q_pad = None
     if p.q_real is not None:
         keep = torch.ones(p.packs * p.cq, dtype=torch.bool)
         keep[p.q_real] = False
         q_pad = keep.nonzero().flatten()
     return _Batch(p.packs, p.cq, p.ck, None, arena.add(mask), arena.add(p.q_index), arena.add(p.k_index),
-                  arena.add(p.q_real), arena.add(p.k_real), arena.add(q_rows), arena.add(k_rows), arena.add(q_pad),
-                  p.causal)
+                  arena.add(q_pad), p.causal)
 
 
 @dataclasses.dataclass
@@ -204,10 +197,12 @@ class ScheduledCall:
             args = (do_b, q_b, _gather(k, ki, p.packs, p.ck), _gather(v, ki, p.packs, p.ck),
                     _gather(out, qi, p.packs, p.cq), lse_b.contiguous())
             g = kernel.backward(*args, p.causal, scale) if mask is None else kernel.backward_masked(*args, mask, scale)
-            q_real, k_real = _v(p.q_real), _v(p.k_real)
-            _index_add_rows(dq, p.q_rows.t, _real(_flat(g[0], b, p.packs, p.cq), q_real).to(dq.dtype))
-            _index_add_rows(dk, p.k_rows.t, _real(_flat(g[1], b, p.packs, p.ck), k_real).to(dk.dtype))
-            _index_add_rows(dv, p.k_rows.t, _real(_flat(g[2], b, p.packs, p.ck), k_real).to(dv.dtype))
+            # every slot's gradients, padding slots' included: those are exact zeros (a padding
+            # row's output gradient is 0, and a padding key is seen by padding rows alone), added
+            # to row 0, which their index names
+            _index_add_rows(dq, qi, _flat(g[0], b, p.packs, p.cq).to(dq.dtype))
+            _index_add_rows(dk, ki, _flat(g[1], b, p.packs, p.ck).to(dk.dtype))
+            _index_add_rows(dv, ki, _flat(g[2], b, p.packs, p.ck).to(dv.dtype))
 
 
 def _batch_forward(kernel, p: _Batch, q, k, v, scale) -> tuple:
@@ -277,10 +272,6 @@ def _strided_backward(kernel, p: _Batch, dout, q, k, v, out, lse, mask, scale, d
 
 def _attend(kernel, q, k, v, mask, scale, causal: bool = False):
     return kernel.forward(q, k, v, causal, scale) if mask is None else kernel.forward_masked(q, k, v, mask, scale)
-
-
-def _real(x: torch.Tensor, real: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
-    return x if real is None else x.index_select(dim, real)
 
 
 # -- kernels with a native varlen entry point (flash-attn, PyTorch's CUDA flash op) ------------
