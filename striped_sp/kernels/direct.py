@@ -28,11 +28,12 @@ __all__ = ["DirectLayer", "direct_layers", "layer_forward", "layer_backward", "a
 
 @dataclasses.dataclass(frozen=True)
 class DirectLayer:
-    """Pieces ``(q0, q1, k0, k1, causal)`` in query order, no query row and no key row twice.
+    """Pieces ``(q0, q1, k0, k1, causal)`` in query order, no query row twice.
 
     ``q_sizes`` / ``k_sizes``: split sizes of the first rows of the query / key tensors, up to
     the last row a piece takes (a ring step's keys may be more: :func:`_chunks`); piece ``i`` is
-    query chunk ``q_chunk[i]`` and key chunk ``k_chunk[i]``."""
+    query chunk ``q_chunk[i]`` and key chunk ``k_chunk[i]`` (-1: keys that an earlier piece of
+    the layer shares, taken by a view of their own)."""
 
     pieces: tuple
     q_sizes: tuple
@@ -89,23 +90,31 @@ class _Intervals:
 
 def direct_layers(pieces: list) -> list:
     """``pieces`` (:class:`~striped_sp.kernels.schedule.Direct`) in layers, each piece in the first
-    layer where neither its query rows nor its key rows are taken (pieces in query order)."""
-    layers = []  # [pieces, q intervals, k intervals]
+    layer where its query rows are not taken (pieces in query order).  Inside a layer, the pieces
+    whose key rows no earlier piece of it takes share the key split (``k_chunk``); the others
+    (``k_chunk`` -1: documents whose query stripes see the same keys) take their own views."""
+    layers = []  # [pieces, q intervals]
     for p in sorted(pieces, key=lambda p: (p.q0, p.k0)):
         for layer in layers:
-            if layer[1].free(p.q0, p.q1) and layer[2].free(p.k0, p.k1):
+            if layer[1].free(p.q0, p.q1):
                 break
         else:
-            layer = [[], _Intervals(), _Intervals()]
+            layer = [[], _Intervals()]
             layers.append(layer)
         layer[0].append((p.q0, p.q1, p.k0, p.k1, p.causal))
         layer[1].add(p.q0, p.q1)
-        layer[2].add(p.k0, p.k1)
     out = []
-    for found, _, _ in layers:
+    for found, _ in layers:
         found.sort()
         q_sizes, q_chunk = _partition([(a, b) for a, b, _, _, _ in found])
-        k_sizes, k_chunk = _partition([(c, d) for _, _, c, d, _ in found])
+        keys, shared = _Intervals(), []
+        for _, _, c, d, _ in found:
+            shared.append(keys.free(c, d))
+            if shared[-1]:
+                keys.add(c, d)
+        k_sizes, chunks = _partition([(c, d) for (_, _, c, d, _), s in zip(found, shared) if s])
+        it = iter(chunks)
+        k_chunk = tuple(next(it) if s else -1 for s in shared)
         out.append(DirectLayer(tuple(found), q_sizes, q_chunk, k_sizes, k_chunk, sum(q_sizes), sum(k_sizes)))
     return out
 
@@ -115,36 +124,51 @@ def as_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x if fmt == "bshd" else x.transpose(1, 2)
 
 
+def _key_views(layer: DirectLayer, x: torch.Tensor, sd: int) -> list:
+    """Each piece's key rows of ``x`` (in the kernel's format): the shared split's chunk, or a
+    view of its own."""
+    chunks = _chunks(x, layer.k_sizes, layer.k_extent, sd) if layer.k_sizes else ()
+    return [chunks[j] if j >= 0 else x.narrow(sd, p[2], p[3] - p[2]) for p, j in zip(layer.pieces, layer.k_chunk)]
+
+
 def layer_forward(layer: DirectLayer, kernel, q, k, v, scale) -> tuple[list, list]:
     """The layer's results, one per piece in the layer's order: outputs in the kernel's
     :attr:`~striped_sp.kernels.Kernel.tensor_format` and log-sum-exps ``[b, h, rows]``."""
     fmt = kernel.tensor_format
     sd = 1 if fmt == "bshd" else 2
     qs = _chunks(as_format(q, fmt), layer.q_sizes, layer.q_extent, sd)
-    ks = _chunks(as_format(k, fmt), layer.k_sizes, layer.k_extent, sd)
-    vs = _chunks(as_format(v, fmt), layer.k_sizes, layer.k_extent, sd)
+    ks, vs = _key_views(layer, as_format(k, fmt), sd), _key_views(layer, as_format(v, fmt), sd)
     outs, lses = [], []
-    for p, i, j in zip(layer.pieces, layer.q_chunk, layer.k_chunk):
-        o, l = kernel.forward_native(qs[i], ks[j], vs[j], p[4], scale)
+    for p, i, kk, vv in zip(layer.pieces, layer.q_chunk, ks, vs):
+        o, l = kernel.forward_native(qs[i], kk, vv, p[4], scale)
         outs.append(o)
         lses.append(l)
     return outs, lses
 
 
 def layer_backward(layer: DirectLayer, kernel, dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
-    """Every piece's gradients added into the float32 ``dq`` / ``dk`` / ``dv`` ``[b, s, h, d]``."""
+    """Every piece's gradients added into the float32 ``dq`` / ``dk`` / ``dv`` ``[b, s, h, d]``:
+    one ``_foreach_add_`` each over views that do not overlap, then the pieces of their own key
+    views one by one."""
     fmt = kernel.tensor_format
     sd = 1 if fmt == "bshd" else 2
-    qsz, ksz, qe, ke = layer.q_sizes, layer.k_sizes, layer.q_extent, layer.k_extent
+    qsz, qe = layer.q_sizes, layer.q_extent
     dos, qs, os_, dqs = (_chunks(as_format(t, fmt), qsz, qe, sd) for t in (dout, q, out, dq))
-    ks, vs, dks, dvs = (_chunks(as_format(t, fmt), ksz, ke, sd) for t in (k, v, dk, dv))
+    ks, vs, dks, dvs = (_key_views(layer, as_format(t, fmt), sd) for t in (k, v, dk, dv))
     lses = _chunks(lse, qsz, qe, 2)
-    gq, gk, gv = [], [], []
-    for p, i, j in zip(layer.pieces, layer.q_chunk, layer.k_chunk):
-        g = kernel.backward_native(dos[i], qs[i], ks[j], vs[j], os_[i], lses[i], p[4], scale)
+    gq, shared, own = [], ([], [], [], []), []
+    for n, (p, i, j) in enumerate(zip(layer.pieces, layer.q_chunk, layer.k_chunk)):
+        g = kernel.backward_native(dos[i], qs[i], ks[n], vs[n], os_[i], lses[i], p[4], scale)
         gq.append(g[0])
-        gk.append(g[1])
-        gv.append(g[2])
+        if j >= 0:
+            for lst, x in zip(shared, (dks[n], g[1], dvs[n], g[2])):
+                lst.append(x)
+        else:
+            own.append((dks[n], g[1], dvs[n], g[2]))
     torch._foreach_add_([dqs[i] for i in layer.q_chunk], gq)
-    torch._foreach_add_([dks[j] for j in layer.k_chunk], gk)
-    torch._foreach_add_([dvs[j] for j in layer.k_chunk], gv)
+    if shared[0]:
+        torch._foreach_add_(shared[0], shared[1])
+        torch._foreach_add_(shared[2], shared[3])
+    for dk_view, gk, dv_view, gv in own:
+        dk_view.add_(gk)
+        dv_view.add_(gv)

@@ -173,13 +173,10 @@ def _split_tiles(items):
     return left, middle, right, narrow
 
 
-def _uniform_batch(q0, k0, lq: int, lk: int, lo: int | None, hi: int | None) -> list:
-    """Items of one shape and band (``lo is None``: dense): one item per batch entry, one mask.
-    Runs of consecutive tiles (rows back to back, keys at a fixed step) become strided batches."""
-    mask = None
-    if lo is not None:
-        d = torch.arange(lk).unsqueeze(0) - torch.arange(lq).unsqueeze(1)
-        mask = ((d >= lo) & (d <= hi)).view(1, 1, lq, lk)
+def _strided_runs(q0, k0, lq: int) -> tuple[torch.Tensor, list]:
+    """Items of ``lq`` rows in query order (``order``) and the runs ``(a, b)`` of that order, each
+    of at least :data:`UNIFORM_COUNT` items, whose rows are back to back and whose keys start at a
+    fixed step: one strided view each, no gather."""
     order = torch.argsort(q0)
     q0, k0 = q0[order], k0[order]
     # a run breaks where the rows are not back to back or the key step changes
@@ -189,18 +186,34 @@ def _uniform_batch(q0, k0, lq: int, lk: int, lo: int | None, hi: int | None) -> 
     breaks[2:] |= (dk[1:] != dk[:-1]) & ~breaks[1:-1]
     breaks[1:] |= dk <= 0
     starts = breaks.nonzero().flatten().tolist() + [q0.numel()]
-    batches, rest = [], []
-    for a, b in zip(starts[:-1], starts[1:]):
-        if b - a >= UNIFORM_COUNT:
-            step = int(k0[a + 1] - k0[a])
-            batches.append(Batch(_ranges(q0[a:b], torch.full((b - a,), lq)), _ranges(k0[a:b], torch.full((b - a,), lk)),
-                                 mask, b - a, lq, lk, strided=(int(q0[a]), int(k0[a]), step)))
-        else:
-            rest.append(torch.arange(a, b))
-    if rest:
-        idx = torch.cat(rest)
-        batches.append(Batch(_ranges(q0[idx], torch.full((idx.numel(),), lq)),
-                             _ranges(k0[idx], torch.full((idx.numel(),), lk)), mask, idx.numel(), lq, lk))
+    return order, [(a, b) for a, b in zip(starts[:-1], starts[1:]) if b - a >= UNIFORM_COUNT]
+
+
+def _strided_batch(q0, k0, lq: int, lk: int, mask, causal: bool = False) -> Batch:
+    """Items back to back with keys at a fixed step (a run of :func:`_strided_runs`), in order."""
+    n = q0.numel()
+    step = int(k0[1] - k0[0])
+    return Batch(_ranges(q0, torch.full((n,), lq)), _ranges(k0, torch.full((n,), lk)), mask, n, lq, lk,
+                 strided=(int(q0[0]), int(k0[0]), step), causal=causal)
+
+
+def _uniform_batch(q0, k0, lq: int, lk: int, lo: int | None, hi: int | None) -> list:
+    """Items of one shape and band (``lo is None``: dense): one item per batch entry, one mask.
+    Runs of consecutive tiles (rows back to back, keys at a fixed step) become strided batches."""
+    mask = None
+    if lo is not None:
+        d = torch.arange(lk).unsqueeze(0) - torch.arange(lq).unsqueeze(1)
+        mask = ((d >= lo) & (d <= hi)).view(1, 1, lq, lk)
+    order, runs = _strided_runs(q0, k0, lq)
+    q0, k0 = q0[order], k0[order]
+    batches = [_strided_batch(q0[a:b], k0[a:b], lq, lk, mask) for a, b in runs]
+    rest = torch.ones(q0.numel(), dtype=torch.bool)
+    for a, b in runs:
+        rest[a:b] = False
+    if bool(rest.any()):
+        n = int(rest.sum())
+        batches.append(Batch(_ranges(q0[rest], torch.full((n,), lq)), _ranges(k0[rest], torch.full((n,), lk)), mask,
+                             n, lq, lk))
     return batches
 
 
@@ -276,6 +289,23 @@ def _causal_batches(q0, lq, k0) -> list:
     return batches
 
 
+def _square_batches(q0, lq, k0) -> list:
+    """Small causal squares: runs of equal ones back to back (the diagonal tiles of a long band)
+    as strided views, the others by class (:func:`_causal_batches`)."""
+    batches, rest = [], torch.ones(lq.numel(), dtype=torch.bool)
+    sizes, counts = torch.unique(lq, return_counts=True)
+    for m in sizes[counts >= UNIFORM_COUNT].tolist():
+        sel = (lq == m).nonzero().flatten()
+        order, runs = _strided_runs(q0[sel], k0[sel], m)
+        for a, b in runs:
+            idx = sel[order[a:b]]
+            batches.append(_strided_batch(q0[idx], k0[idx], m, m, None, causal=True))
+            rest[idx] = False
+    if bool(rest.any()):
+        batches += _causal_batches(q0[rest], lq[rest], k0[rest])
+    return batches
+
+
 def _masked_batches(items) -> list:
     """Batches for band items with distinct rows: causal squares by class, uniform shapes, then
     packs by size."""
@@ -283,7 +313,7 @@ def _masked_batches(items) -> list:
         return []
     q0, lq, k0, lk, lo, hi = items
     square = (lq == lk) & (lo <= 1 - lq) & (hi == 0) & (lq <= TILE) & (lq >= CAUSAL_CLASSES[0])
-    batches = _causal_batches(q0[square], lq[square], k0[square]) if bool(square.any()) else []
+    batches = _square_batches(q0[square], lq[square], k0[square]) if bool(square.any()) else []
     if bool(square.all()):
         return batches
     q0, lq, k0, lk, lo, hi = items = tuple(t[~square] for t in items)

@@ -89,9 +89,13 @@ class _Layer:
     span: tuple | None
 
 
+#: a strided batch of at least this many rows is merged alone (on a slice) rather than with others
+SPAN_ROWS = 1024
+
+
 def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Arena) -> list:
     """The merge layers of a call: one per direct layer, each batch in the first layer that has
-    none of its rows (a new one if none)."""
+    none of its rows (a new one if none; a long strided batch always a layer of its own)."""
     taken, members, piece_rows = [], [], []
     for layer in direct:
         span = torch.tensor(layer.rows, dtype=torch.int64).view(-1, 2)
@@ -103,12 +107,13 @@ def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Are
         piece_rows.append(rows)
     for p, src in zip(batches, plan_batches):
         rows = _batch_rows(src)
+        alone = src.strided is not None and src.packs * src.cq >= SPAN_ROWS  # merged on its own slice
         for i, occ in enumerate(taken):
-            if not bool(occ[rows].any()):
+            if not alone and not bool(occ[rows].any()):
                 break
         else:
             i = len(taken)
-            taken.append(torch.zeros(nq, dtype=torch.bool))
+            taken.append(torch.ones(nq, dtype=torch.bool) if alone else torch.zeros(nq, dtype=torch.bool))
             members.append([])
         taken[i][rows] = True
         members[i].append((p, src))

@@ -95,7 +95,7 @@ CASES = {  # docs, gap, halve, batch rows, key starts, layers
     "gaps": ([130, 140, 129, 150], 3, NEVER, 1, None, 1),
     "halved": ([600, 300], 2, None, 1, None, 3),  # 600 rows: halved twice
     "batch2": ([600, 140], 1, None, 2, None, 3),
-    "shared_keys": ([130, 140, 150], 0, NEVER, 1, [0, 0, 300], 2),
+    "shared_keys": ([130, 140, 150], 0, NEVER, 1, [0, 0, 300], 1),
     "mixed": ([130, 20, 33, 140, 17, 60], 0, NEVER, 1, None, 1),
 }
 
@@ -105,8 +105,8 @@ CASES = {  # docs, gap, halve, batch rows, key starts, layers
 def test_layered_merge_matches_float64(backend, case, seed):
     """Direct pieces in layers of distinct query and key rows, each layer's results merged at once:
     documents back to back (one slice), with gaps between them (an index), a halved causal square
-    (its rectangle shares rows with both triangles: a second layer), two batch rows, two documents
-    that see the same keys (two layers), short documents between long ones (their batches merged
+    (its rectangle shares query rows with a triangle: a second layer), two batch rows, two documents
+    that see the same keys (one layer, one of them with key views of its own), short documents between long ones (their batches merged
     with the direct pieces)."""
     kernel = KERNELS[backend]
     docs, gap, halve, b, k_starts, n_layers = CASES[case]
@@ -114,11 +114,14 @@ def test_layered_merge_matches_float64(backend, case, seed):
     n = max(int(segs.q_start[-1] + segs.lq[-1]) + gap, int((segs.k_start + segs.lk).max()))
     program = _compiled(kernel, segs, b, n, halve)
     assert len(program.layers) == n_layers, [x.pieces for x in program.direct_layers]
-    for layer in program.direct_layers:  # no query row, no key row twice in a layer
-        assert _disjoint([p[:2] for p in layer.pieces]) and _disjoint([p[2:4] for p in layer.pieces])
+    for layer in program.direct_layers:  # no query row twice in a layer, nor a key row in its key split
+        shared = [p[2:4] for p, j in zip(layer.pieces, layer.k_chunk) if j >= 0]
+        assert _disjoint([p[:2] for p in layer.pieces]) and _disjoint(shared) and shared
         assert layer.q_extent == sum(layer.q_sizes) == max(p[1] for p in layer.pieces)
-        assert layer.k_extent == sum(layer.k_sizes) == max(p[3] for p in layer.pieces)
-    assert (program.layers[0].span is not None) == (case in ("span",))
+        assert layer.k_extent == sum(layer.k_sizes) == max(b for _, b in shared)
+    if case == "shared_keys":  # one layer: the second document's keys are the first's, its own view
+        assert program.direct_layers[0].k_chunk[1] == -1
+    assert (program.layers[0].span is not None) == (case in ("span", "shared_keys"))
     assert bool(program.batches) == (case == "mixed")
     if case == "mixed":
         assert program.layers[0].direct is not None and program.layers[0].batches
