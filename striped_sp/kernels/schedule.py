@@ -44,9 +44,8 @@ DIRECT_ENTRIES = TILE * TILE
 UNIFORM_COUNT, UNIFORM_ROWS = 4, 32
 #: a tile is split into edges and a dense middle when the middle is at least this wide
 MIDDLE_MIN = 64
-#: the sizes small causal blocks (bottom-right: a causal square, or one with more keys) are padded
-#: to (one batched call each; a square of ``m`` rows costs at most ``(class / m) ** 2``, about 2,
-#: of its own entries); blocks of fewer keys go into packs
+#: the sizes small causal squares are padded to (one batched call each; a square of ``m`` rows
+#: costs at most ``(class / m) ** 2``, about 2, of its own entries); smaller ones go into packs
 CAUSAL_CLASSES = (16, 24, 32, 48, 64, 96, 128)
 
 
@@ -270,45 +269,40 @@ def _strided(q_index, k_index, npacks: int, cq: int, ck: int) -> tuple | None:
     return int(qi[0, 0]), int(ki[0, 0]), step
 
 
-def _causal_batches(q0, lq, k0, lk) -> list:
-    """Bottom-right causal blocks (row ``x`` of ``lq`` sees keys ``<= x + lk - lq`` of ``lk <=
-    TILE``; a causal square is ``lq == lk``), one batch per :data:`CAUSAL_CLASSES` class of
-    ``lk``: each block is a causal square of its class with its query rows at the square's last
-    ``lq`` rows of the first ``lk``, called causal without a mask.  A real row then sees exactly its
-    keys, never a padding key; padding rows are dropped, and add no gradient."""
+def _causal_batches(q0, lq, k0) -> list:
+    """Causal squares of at most ``TILE`` rows, one batch per :data:`CAUSAL_CLASSES` class, each
+    square padded at its end to its class and called causal without a mask: a real row sees only
+    keys before it, so never a padding key (padding rows are dropped, and add no gradient)."""
     classes = torch.tensor(CAUSAL_CLASSES)
-    cls = classes[torch.searchsorted(classes, lk)]
+    cls = classes[torch.searchsorted(classes, lq)]
     batches = []
     for c in torch.unique(cls).tolist():
         sel = cls == c
         n = int(sel.sum())
         off = torch.arange(c)
-        shift = (lk[sel] - lq[sel]).unsqueeze(1)
-        real_k = off < lk[sel].unsqueeze(1)  # [n, c]
-        real_q = real_k & (off >= shift)
-        q_index = torch.where(real_q, q0[sel].unsqueeze(1) + off - shift, 0).flatten()
-        k_index = torch.where(real_k, k0[sel].unsqueeze(1) + off, 0).flatten()
-        q_slots = None if bool(real_q.all()) else real_q.flatten().nonzero().flatten()
-        k_slots = None if bool(real_k.all()) else real_k.flatten().nonzero().flatten()
-        strided = _strided(q_index, k_index, n, c, c) if q_slots is None and k_slots is None else None
-        batches.append(Batch(q_index, k_index, None, n, c, c, q_slots, k_slots, strided, causal=True))
+        real = off.unsqueeze(0) < lq[sel].unsqueeze(1)  # [n, c]
+        q_index = torch.where(real, q0[sel].unsqueeze(1) + off, 0).flatten()
+        k_index = torch.where(real, k0[sel].unsqueeze(1) + off, 0).flatten()
+        slots = None if bool(real.all()) else real.flatten().nonzero().flatten()
+        strided = _strided(q_index, k_index, n, c, c) if slots is None else None
+        batches.append(Batch(q_index, k_index, None, n, c, c, slots, slots, strided, causal=True))
     return batches
 
 
-def _square_batches(q0, lq, k0, lk) -> list:
-    """Small bottom-right causal blocks: runs of equal squares back to back (the diagonal tiles of a
-    long band) as strided views, the others by class (:func:`_causal_batches`)."""
+def _square_batches(q0, lq, k0) -> list:
+    """Small causal squares: runs of equal ones back to back (the diagonal tiles of a long band)
+    as strided views, the others by class (:func:`_causal_batches`)."""
     batches, rest = [], torch.ones(lq.numel(), dtype=torch.bool)
-    sizes, counts = torch.unique(torch.where(lq == lk, lq, 0), return_counts=True)
-    for m in sizes[(counts >= UNIFORM_COUNT) & (sizes > 0)].tolist():
-        sel = ((lq == m) & (lk == m)).nonzero().flatten()
+    sizes, counts = torch.unique(lq, return_counts=True)
+    for m in sizes[counts >= UNIFORM_COUNT].tolist():
+        sel = (lq == m).nonzero().flatten()
         order, runs = _strided_runs(q0[sel], k0[sel], m)
         for a, b in runs:
             idx = sel[order[a:b]]
             batches.append(_strided_batch(q0[idx], k0[idx], m, m, None, causal=True))
             rest[idx] = False
     if bool(rest.any()):
-        batches += _causal_batches(q0[rest], lq[rest], k0[rest], lk[rest])
+        batches += _causal_batches(q0[rest], lq[rest], k0[rest])
     return batches
 
 
@@ -318,8 +312,8 @@ def _masked_batches(items) -> list:
     if items[1].numel() == 0:
         return []
     q0, lq, k0, lk, lo, hi = items
-    square = (lq <= lk) & (lo <= 1 - lq) & (hi == lk - lq) & (lk <= TILE) & (lk >= CAUSAL_CLASSES[0])
-    batches = _square_batches(q0[square], lq[square], k0[square], lk[square]) if bool(square.any()) else []
+    square = (lq == lk) & (lo <= 1 - lq) & (hi == 0) & (lq <= TILE) & (lq >= CAUSAL_CLASSES[0])
+    batches = _square_batches(q0[square], lq[square], k0[square]) if bool(square.any()) else []
     if bool(square.all()):
         return batches
     q0, lq, k0, lk, lo, hi = items = tuple(t[~square] for t in items)

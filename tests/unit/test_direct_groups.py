@@ -224,33 +224,3 @@ def test_small_causal_squares_run_unmasked(backend, seed):
     k, v = (torch.randn(1, n, 2, 16, generator=gen) for _ in range(2))
     q[:, ::7] *= 30  # large scores on some rows: a padding row that leaked would show
     _check_program(kernel, program, q, k, v, dout, segs)
-
-
-@pytest.mark.parametrize("backend", ["torch", "math"])
-def test_small_bottom_right_blocks_run_unmasked(backend, seed):
-    """Causal blocks with more keys than queries (row ``x`` sees keys ``<= x + lk - lq``, as
-    zigzag's late chunk sees a source's two): batched causal calls with the queries at the end of
-    each padded square, no mask; exact against float64 from the call's own dense mask."""
-    kernel = KERNELS[backend]
-    gen = torch.Generator().manual_seed(seed)
-    lq = torch.randint(1, 60, (24,), generator=gen)
-    lk = torch.clamp(lq + torch.randint(0, 60, (24,), generator=gen), min=16, max=127)
-    zero = torch.zeros(1, dtype=torch.int64)
-    cu_q, cu_k = torch.cat([zero, torch.cumsum(lq, 0)]), torch.cat([zero, torch.cumsum(lk, 0)])
-    segs = Segments(cu_q, cu_k, torch.full((24,), -1), torch.zeros(24, dtype=torch.int64))
-    nq, nk = int(cu_q[-1]), int(cu_k[-1])
-    arena = Arena()
-    program = compile_call(kernel, segs, 1, nq, nk, "cpu", torch.float32, 16, arena, NEVER)
-    arena.place("cpu")
-    assert not program.direct and program.batches and all(p.mask is None and p.causal for p in program.batches)
-    q, dout = (torch.randn(1, nq, 4, 16, generator=gen) for _ in range(2))
-    k, v = (torch.randn(1, nk, 2, 16, generator=gen) for _ in range(2))
-    got = _run_program(kernel, program, q, k, v, dout)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", qr, kr.repeat_interleave(2, 2)) * SCALE
-    s = s.masked_fill(~segs.dense_mask(), float("-inf"))
-    ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vr.repeat_interleave(2, 2))
-    (ref * dout.double()).sum().backward()
-    for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got,
-                             (ref, torch.logsumexp(s, -1), qr.grad, kr.grad, vr.grad)):
-        assert _err(x, want) < 1e-5, name
