@@ -87,24 +87,29 @@ class _Layer:
     keep: Slot | None
     rows: Slot | None
     span: tuple | None
+    alone: tuple = ()     # the direct pieces (their indices) of at least SPAN_ROWS rows: merged on their slices
+    pooled: tuple = ()    # the other direct pieces, concatenated first
 
 
-#: a strided batch of at least this many rows is merged alone (on a slice) rather than with others
+#: a direct piece or strided batch of at least this many rows is merged alone, on its slice of the
+#: accumulators, rather than concatenated with others (at 8 heads of 64 that copy is megabytes)
 SPAN_ROWS = 1024
 
 
 def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Arena) -> list:
     """The merge layers of a call: one per direct layer, each batch in the first layer that has
     none of its rows (a new one if none; a long strided batch always a layer of its own)."""
-    taken, members, piece_rows = [], [], []
+    taken, members, piece_rows, parts = [], [], [], []
     for layer in direct:
         span = torch.tensor(layer.rows, dtype=torch.int64).view(-1, 2)
+        big = (span[:, 1] - span[:, 0]) >= SPAN_ROWS
+        parts.append((tuple(big.nonzero().flatten().tolist()), tuple((~big).nonzero().flatten().tolist())))
         rows = _ranges(span[:, 0], span[:, 1] - span[:, 0])
         occ = torch.zeros(nq, dtype=torch.bool)
         occ[rows] = True
         taken.append(occ)
         members.append([])
-        piece_rows.append(rows)
+        piece_rows.append(_ranges(span[~big, 0], span[~big, 1] - span[~big, 0]))
     for p, src in zip(batches, plan_batches):
         rows = _batch_rows(src)
         alone = src.strided is not None and src.packs * src.cq >= SPAN_ROWS  # merged on its own slice
@@ -128,12 +133,15 @@ def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Are
             rows.append(_batch_rows(src))
             at += slots
         rows = torch.cat(rows)
-        first = int(rows[0])
-        span = (first, first + rows.numel()) if bool((rows == torch.arange(first, first + rows.numel())).all()) else None
+        alone, pooled = parts[i] if i < len(direct) else ((), ())
+        span = None
+        if rows.numel():
+            first = int(rows[0])
+            span = (first, first + rows.numel()) if bool((rows == torch.arange(first, first + rows.numel())).all()) else None
         padded = any(src.q_real is not None for _, src in found)
         out.append(_Layer(direct[i] if i < len(direct) else None, [p for p, _ in found],
-                          arena.add(torch.cat(keep)) if padded else None, None if span is not None else arena.add(rows),
-                          span))
+                          arena.add(torch.cat(keep)) if padded else None,
+                          None if span is not None or not rows.numel() else arena.add(rows), span, alone, pooled))
     return out
 
 
@@ -165,6 +173,13 @@ class ScheduledCall:
         sd = 1 if fmt == "bshd" else 2
         for layer in self.layers:
             outs, lses = ([], []) if layer.direct is None else layer_forward(layer.direct, kernel, q, k, v, scale)
+            for i in layer.alone:
+                a, b = layer.direct.pieces[i][:2]
+                _merge(acc_out[:, a:b], acc_lse[:, :, a:b], as_format(outs[i], fmt), lses[i])
+            if layer.alone:
+                outs, lses = [outs[i] for i in layer.pooled], [lses[i] for i in layer.pooled]
+            if not outs and not layer.batches:
+                continue
             for p in layer.batches:
                 o, l = _batch_forward(kernel, p, q, k, v, scale)
                 outs.append(as_format(o, fmt))

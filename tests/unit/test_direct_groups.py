@@ -97,6 +97,7 @@ CASES = {  # docs, gap, halve, batch rows, key starts, layers
     "batch2": ([600, 140], 1, None, 2, None, 3),
     "shared_keys": ([130, 140, 150], 0, NEVER, 1, [0, 0, 300], 1),
     "mixed": ([130, 20, 33, 140, 17, 60], 0, NEVER, 1, None, 1),
+    "long": ([1100, 130, 1030], 2, NEVER, 1, None, 1),  # pieces of 1024 rows or more: merged on their slices
 }
 
 
@@ -121,7 +122,8 @@ def test_layered_merge_matches_float64(backend, case, seed):
         assert layer.k_extent == sum(layer.k_sizes) == max(b for _, b in shared)
     if case == "shared_keys":  # one layer: the second document's keys are the first's, its own view
         assert program.direct_layers[0].k_chunk[1] == -1
-    assert (program.layers[0].span is not None) == (case in ("span", "shared_keys"))
+    assert (program.layers[0].span is not None) == (case in ("span", "shared_keys", "long"))
+    assert program.layers[0].alone == ((0, 2) if case == "long" else ())
     assert bool(program.batches) == (case == "mixed")
     if case == "mixed":
         assert program.layers[0].direct is not None and program.layers[0].batches
