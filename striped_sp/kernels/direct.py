@@ -3,12 +3,14 @@
 A :class:`~striped_sp.kernels.schedule.Direct` piece is one plain kernel call on slices of the
 whole local tensors.  Taking each piece's slices one by one costs a host op per tensor and piece
 (three forward, ten backward), and adding its gradients two more per gradient.  Pieces are
-therefore cut into :class:`DirectLayer` s: within a layer no two pieces share a query row or a
-key row, so a layer's pieces are chunks of one partition of the query rows and one of the key
-rows, and every tensor is cut into all of its pieces' views by one ``split``; backward adds a
-layer's gradients into the views of ``dq`` / ``dk`` / ``dv`` by one ``_foreach_add_`` each (no
-gradient is copied, and no two views of one add overlap).  A halved causal square's rectangle
-shares rows with both of its triangles: it goes into a second layer.
+therefore cut into :class:`DirectLayer` s: within a layer no two pieces share a query row, so a
+layer's pieces are chunks of one partition of the query rows, and every query-side tensor is cut
+into all of its pieces' views by one ``split``; so are the key-side ones for the pieces whose
+keys no earlier piece of the layer takes (the others, query stripes of one document that see the
+same keys, take views of their own).  Backward adds a layer's gradients into the views of ``dq``
+/ ``dk`` / ``dv`` by one ``_foreach_add_`` each over views that do not overlap (no gradient is
+copied).  A halved causal square's rectangle shares query rows with its second triangle: it goes
+into another layer.
 
 The pieces run in the kernel's :attr:`~striped_sp.kernels.Kernel.tensor_format` on views of the
 ``[b, s, h, d]`` tensors (for ``"bhsd"`` kernels one transpose per tensor and layer instead of one

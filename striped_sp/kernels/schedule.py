@@ -14,12 +14,15 @@ by several pieces:
   call), a square is halved only where that pays (:func:`halving_rule`); without one, always;
 * **class**: one batched call over many items with a mask.  Long bands (sliding windows) are cut
   into tiles of ``TILE`` rows; a tile whose band is wide becomes a left edge, a dense middle and a
-  right edge, so that only the edges carry a mask.  Items of one shape and band share a single
+  right edge, so that only the edges carry a mask.  Small causal squares (16 to 128 rows) are
+  padded at their end to a size class (:data:`CAUSAL_CLASSES`) and called causal with no mask
+  (equal ones back to back as one strided call).  Items of one shape and band share a single
   broadcast mask (or none); the rest (short documents, odd tiles) go into packs of consecutive
   items with a block-diagonal band mask, one batched call per size class.
 
-Pack slots that no item owns gather row 0 and are dropped from the results (padding rows see one
-key, and get a zero output gradient, so they add nothing to any key's gradient).
+Slots that no item owns gather row 0 and are dropped from the results (padding rows see one key
+or only keys of padding, and get a zero output gradient, so their gradients are exact zeros: the
+executor adds them to row 0 with the rest).
 """
 
 from __future__ import annotations
