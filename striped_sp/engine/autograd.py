@@ -91,9 +91,13 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
     Memory: the arriving dK/dV accumulators are waited for *before* the step's kernels, so the ones
     sent the step before are freed first; each kernel call's gradients are added and dropped at
     once, its heads split in two halves (:func:`striped_sp.engine.step.head_splits`); a visiting
-    K/V block is dropped once passed on."""
+    K/V block is dropped once passed on.  Masked plans take the caller's tensors contiguous (a
+    copy of those that are not, for the pass): their calls gather rows, and gathering from a
+    strided view (``[s, b, ...]`` storage with ``b > 1``) copies the whole tensor each time."""
     kernel, scale, steps, shared = plan.kernel, plan.scale, plan.steps, plan.shared
     n, rank = plan.world_size, plan.rank
+    if plan.masked:
+        dout, q, k, v = (t.contiguous() for t in (dout, q, k, v))
     acc = accumulator_dtype(q.dtype)  # float32; float64 for float64 inputs
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k, v
