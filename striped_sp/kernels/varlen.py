@@ -312,10 +312,25 @@ def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, 
     ``steps`` is nested: native ones compiled together (:func:`native_programs`), scheduled ones
     call by call."""
     if not kernel.native_varlen(torch.device(device), dtype, head_dim):
-        return tuple(tuple(compile_call(kernel, segs, b, nq, nk, device, dtype, head_dim, arena, halve) for segs in step)
-                     for step in steps)
+        # steps of the same segments share one program (zigzag's padded documents: every step
+        # but the first alike), which only reads its slots
+        programs: dict = {}
+
+        def program(segs: Segments):
+            key = _content(segs)
+            if key not in programs:
+                programs[key] = compile_call(kernel, segs, b, nq, nk, device, dtype, head_dim, arena, halve)
+            return programs[key]
+
+        return tuple(tuple(program(segs) for segs in step) for step in steps)
     flat = iter(native_programs([segs for step in steps for segs in step], b, nq, nk, arena))
     return tuple(tuple(next(flat) for _ in step) for step in steps)
+
+
+def _content(segs: Segments) -> bytes:
+    """The segments' values (equal for equal segments)."""
+    parts = (segs.cu_q, segs.cu_k, segs.wl, segs.wr, segs.q_start, segs.k_start)
+    return torch.tensor([t.numel() for t in parts]).numpy().tobytes() + torch.cat(parts).numpy().tobytes()
 
 
 def as_program(kernel, call, q: torch.Tensor, k: torch.Tensor):
