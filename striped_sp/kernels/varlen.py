@@ -30,7 +30,7 @@ from .direct import DirectLayer, as_format, direct_layers, layer_backward, layer
 from .merge import merge_block_safe as _merge
 from .merge import merge_rows as _merge_rows
 from .native import NativeCall, native_programs
-from .schedule import TILE, Batch, schedule
+from .schedule import TILE, Batch, Schedule, schedule, schedule_steps
 from .segments import Segments, _ranges
 
 __all__ = ["TILE", "Arena", "ScheduledCall", "NativeCall", "compile_call", "compile_steps", "native_programs"]
@@ -101,15 +101,19 @@ def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Are
     none of its rows (a new one if none; a long strided batch always a layer of its own)."""
     taken, members, piece_rows, parts = [], [], [], []
     for layer in direct:
-        span = torch.tensor(layer.rows, dtype=torch.int64).view(-1, 2)
-        big = (span[:, 1] - span[:, 0]) >= SPAN_ROWS
-        parts.append((tuple(big.nonzero().flatten().tolist()), tuple((~big).nonzero().flatten().tolist())))
+        spans = layer.rows
+        alone = tuple(i for i, (a, b) in enumerate(spans) if b - a >= SPAN_ROWS)
+        pooled = tuple(i for i, (a, b) in enumerate(spans) if b - a < SPAN_ROWS)
+        parts.append((alone, pooled))
+        span = torch.tensor([spans[i] for i in pooled], dtype=torch.int64).view(-1, 2)
         rows = _ranges(span[:, 0], span[:, 1] - span[:, 0])
         occ = torch.zeros(nq, dtype=torch.bool)
         occ[rows] = True
+        for i in alone:
+            occ[spans[i][0]:spans[i][1]] = True
         taken.append(occ)
         members.append([])
-        piece_rows.append(_ranges(span[~big, 0], span[~big, 1] - span[~big, 0]))
+        piece_rows.append(rows)
     for p, src in zip(batches, plan_batches):
         rows = _batch_rows(src)
         alone = src.strided is not None and src.packs * src.cq >= SPAN_ROWS  # merged on its own slice
@@ -121,16 +125,16 @@ def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Are
             taken.append(torch.ones(nq, dtype=torch.bool) if alone else torch.zeros(nq, dtype=torch.bool))
             members.append([])
         taken[i][rows] = True
-        members[i].append((p, src))
+        members[i].append((p, src, rows))
     out = []
     for i, found in enumerate(members):
         rows = [piece_rows[i]] if i < len(direct) else []
         at = rows[0].numel() if rows else 0
         keep = [torch.arange(at)]
-        for _, src in found:
+        for _, src, batch_rows in found:
             slots = src.packs * src.cq
             keep.append(at + (torch.arange(slots) if src.q_real is None else src.q_real))
-            rows.append(_batch_rows(src))
+            rows.append(batch_rows)
             at += slots
         rows = torch.cat(rows)
         alone, pooled = parts[i] if i < len(direct) else ((), ())
@@ -138,8 +142,8 @@ def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Are
         if rows.numel():
             first = int(rows[0])
             span = (first, first + rows.numel()) if bool((rows == torch.arange(first, first + rows.numel())).all()) else None
-        padded = any(src.q_real is not None for _, src in found)
-        out.append(_Layer(direct[i] if i < len(direct) else None, [p for p, _ in found],
+        padded = any(src.q_real is not None for _, src, _ in found)
+        out.append(_Layer(direct[i] if i < len(direct) else None, [p for p, _, _ in found],
                           arena.add(torch.cat(keep)) if padded else None,
                           None if span is not None or not rows.numel() else arena.add(rows), span, alone, pooled))
     return out
@@ -151,13 +155,13 @@ def _batch_rows(p: Batch) -> torch.Tensor:
 
 
 class ScheduledCall:
-    """A varlen call for kernels without a varlen entry point: direct calls on slices and batched
-    masked calls (:func:`~striped_sp.kernels.schedule.schedule`), compiled for batch size ``b``,
-    ``nq`` local query rows and ``nk`` key rows; their forward results merged once per layer of
-    distinct rows, the direct calls' views taken once per layer (:mod:`~striped_sp.kernels.direct`)."""
+    """A varlen call for kernels without a varlen entry point: the direct calls on slices and
+    batched masked calls of its :class:`~striped_sp.kernels.schedule.Schedule`, compiled for batch
+    size ``b``, ``nq`` local query rows and ``nk`` key rows; their forward results merged once per
+    layer of distinct rows, the direct calls' views taken once per layer
+    (:mod:`~striped_sp.kernels.direct`)."""
 
-    def __init__(self, segs: Segments, b: int, arena: Arena, nq: int, nk: int, halve=None, mask_form=None):
-        plan = schedule(segs, halve)
+    def __init__(self, plan: Schedule, b: int, arena: Arena, nq: int, nk: int, mask_form=None):
         self.direct = plan.direct
         self.direct_layers = direct_layers(plan.direct)
         form = mask_form or (lambda m: m)
@@ -303,7 +307,11 @@ def compile_call(kernel, segs: Segments, b: int, nq: int, nk: int, device, dtype
     :func:`~striped_sp.kernels.schedule.halving_rule` (kernels without a varlen entry point)."""
     if kernel.native_varlen(torch.device(device), dtype, head_dim):
         return native_programs([segs], b, nq, nk, arena)[0]
-    return ScheduledCall(segs, b, arena, nq, nk, halve, lambda m: kernel.compile_mask(m, torch.device(device), dtype))
+    return ScheduledCall(schedule(segs, halve), b, arena, nq, nk, _mask_form(kernel, device, dtype))
+
+
+def _mask_form(kernel, device, dtype):
+    return lambda m: kernel.compile_mask(m, torch.device(device), dtype)
 
 
 def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, head_dim: int | None, arena: Arena,
@@ -312,17 +320,18 @@ def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, 
     ``steps`` is nested: native ones compiled together (:func:`native_programs`), scheduled ones
     call by call."""
     if not kernel.native_varlen(torch.device(device), dtype, head_dim):
-        # steps of the same segments share one program (zigzag's padded documents: every step
-        # but the first alike), which only reads its slots
-        programs: dict = {}
-
-        def program(segs: Segments):
-            key = _content(segs)
-            if key not in programs:
-                programs[key] = compile_call(kernel, segs, b, nq, nk, device, dtype, head_dim, arena, halve)
-            return programs[key]
-
-        return tuple(tuple(program(segs) for segs in step) for step in steps)
+        # every distinct call's schedule derived at once; steps of the same segments (zigzag's
+        # padded documents: every step but the first alike) share one program, which only reads
+        # its slots
+        keys = [[_content(segs) for segs in step] for step in steps]
+        distinct = {}
+        for step, step_keys in zip(steps, keys):
+            for segs, key in zip(step, step_keys):
+                distinct.setdefault(key, segs)
+        form = _mask_form(kernel, device, dtype)
+        programs = {key: ScheduledCall(plan, b, arena, nq, nk, form)
+                    for key, plan in zip(distinct, schedule_steps(list(distinct.values()), halve))}
+        return tuple(tuple(programs[key] for key in step_keys) for step_keys in keys)
     flat = iter(native_programs([segs for step in steps for segs in step], b, nq, nk, arena))
     return tuple(tuple(next(flat) for _ in step) for step in steps)
 
