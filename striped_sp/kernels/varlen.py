@@ -318,7 +318,8 @@ def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, 
                   halve=None) -> tuple:
     """The programs of a plan's varlen calls (``steps[t]``: step ``t``'s :class:`Segments`), as
     ``steps`` is nested: native ones compiled together (:func:`native_programs`), scheduled ones
-    call by call."""
+    scheduled together (:func:`~striped_sp.kernels.schedule.schedule_steps`), one program per
+    distinct call."""
     if not kernel.native_varlen(torch.device(device), dtype, head_dim):
         # every distinct call's schedule derived at once; steps of the same segments (zigzag's
         # padded documents: every step but the first alike) share one program, which only reads
