@@ -26,7 +26,9 @@ class Batch:
     """``packs`` batch entries of ``cq`` rows x ``ck`` keys gathered by ``q_index`` / ``k_index``
     (local rows; padding slots gather row 0); ``mask``: ``None`` (dense), bool ``[1, 1, cq, ck]``
     (shared) or ``[packs, 1, cq, ck]``.  ``q_real`` / ``k_real``: the slots that hold real rows
-    (``None``: all of them)."""
+    (``None``: all of them); ``q_pad``: the others (``None`` with ``q_real``), ``rows``: the local
+    rows of the real slots, in slot order (the builders derive both for all batches at once; left
+    ``None``, :meth:`pad_slots` / :meth:`real_rows` derive them)."""
 
     q_index: torch.Tensor
     k_index: torch.Tensor
@@ -41,6 +43,22 @@ class Batch:
     strided: tuple | None = None
     #: (``mask`` ``None``) each entry a causal square (top-left: row ``x`` sees keys ``<= x``)
     causal: bool = False
+    q_pad: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+    def pad_slots(self) -> torch.Tensor | None:
+        """The slots that hold no real row (``None``: there are none)."""
+        if self.q_real is None or self.q_pad is not None:
+            return self.q_pad
+        keep = torch.ones(self.packs * self.cq, dtype=torch.bool)
+        keep[self.q_real] = False
+        return keep.nonzero().flatten()
+
+    def real_rows(self) -> torch.Tensor:
+        """The local query rows of the real slots, in slot order."""
+        if self.rows is not None:
+            return self.rows
+        return self.q_index if self.q_real is None else self.q_index[self.q_real]
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -144,13 +162,14 @@ def _pack_batches(items, cls, out: list) -> None:
         base = _excl_cumsum(npacks * width)
         item, off = _expand(lengths)
         flat = (base[pack_grp] + pin * width[pack_grp])[pk[item]] + inside[item] + off
-        index = torch.zeros(int((npacks * width).sum()), dtype=torch.int64).scatter_(0, flat, first[item] + off)
-        return index, item, off, flat, base
+        vals = first[item] + off
+        index = torch.zeros(int((npacks * width).sum()), dtype=torch.int64).scatter_(0, flat, vals)
+        return index, item, off, flat, base, vals
 
-    q_index, item, off, q_flat, q_base = lay_out(lq, q0, q_in, cq)
+    q_index, item, off, q_flat, q_base, q_rows = lay_out(lq, q0, q_in, cq)
     row_item = torch.full_like(q_index, -1).scatter_(0, q_flat, item)
     row_x = torch.zeros_like(q_index).scatter_(0, q_flat, off)
-    k_index, _, _, k_flat, k_base = lay_out(lk, k0, k_in, ck)
+    k_index, _, _, k_flat, k_base, _ = lay_out(lk, k0, k_in, ck)
     # A row sees one run of its pack's key slots: its item's keys inside the band.  The mask is
     # two int32 comparisons per entry against those bounds (its build is most of a CPU plan's
     # compile); a padding row sees the first key of its pack.
@@ -159,17 +178,30 @@ def _pack_batches(items, cls, out: list) -> None:
     end = k_in[it] + torch.minimum(lk[it] - 1, row_x + hi[it]) + 1
     pad = row_item < 0
     first, end = torch.where(pad, 0, first).int(), torch.where(pad, 1, end).int()
+    # every group's slot numbers (real and padding) at once, local to its group: slices below
+    q_end, k_end = q_base + npacks * cq, k_base + npacks * ck
+    pad_at = pad.nonzero().flatten()
+    pad_bounds = torch.searchsorted(pad_at, q_end).tolist()
+    pad_at = pad_at - q_base[torch.searchsorted(q_end, pad_at, right=True)]
+    q_real_at = q_flat - q_base[torch.searchsorted(q_end, q_flat, right=True)]
+    k_real_at = k_flat - k_base[torch.searchsorted(k_end, k_flat, right=True)]
     rows_at, keys_at = q_at[g_item].tolist() + [int(lq.sum())], k_at[g_item].tolist() + [int(lk.sum())]
+    pads_from = 0
     for g, (t, n, c_q, c_k, qb, kb) in enumerate(zip(st[g_item].tolist(), npacks.tolist(), cq.tolist(), ck.tolist(),
                                                      q_base.tolist(), k_base.tolist())):
         qs, ks = slice(qb, qb + n * c_q), slice(kb, kb + n * c_k)
         col = torch.arange(c_k, dtype=torch.int32)
         mask = (col >= first[qs].view(n, c_q, 1)) & (col < end[qs].view(n, c_q, 1))
-        q_real = None if rows_at[g + 1] - rows_at[g] == n * c_q else q_flat[rows_at[g]:rows_at[g + 1]] - qb
-        k_real = None if keys_at[g + 1] - keys_at[g] == n * c_k else k_flat[keys_at[g]:keys_at[g + 1]] - kb
+        real = slice(rows_at[g], rows_at[g + 1])
+        whole_q = rows_at[g + 1] - rows_at[g] == n * c_q
+        q_real = None if whole_q else q_real_at[real]
+        q_pad = None if whole_q else pad_at[pads_from:pad_bounds[g]]
+        pads_from = pad_bounds[g]
+        k_real = None if keys_at[g + 1] - keys_at[g] == n * c_k else k_real_at[keys_at[g]:keys_at[g + 1]]
         qi, ki = q_index[qs], k_index[ks]
         out[t].batches.append(Batch(qi, ki, mask.unsqueeze(1), n, c_q, c_k, q_real, k_real,
-                                    _strided(qi, ki, n, c_q, c_k) if q_real is None and k_real is None else None))
+                                    _strided(qi, ki, n, c_q, c_k) if q_real is None and k_real is None else None,
+                                    q_pad=q_pad, rows=q_rows[real]))
 
 
 def _causal_batches(q0, lq, k0, st, out: list) -> None:
@@ -183,14 +215,25 @@ def _causal_batches(q0, lq, k0, st, out: list) -> None:
         sel = (which == ci).nonzero().flatten()
         steps, counts = torch.unique_consecutive(st[sel], return_counts=True)  # items come in call order
         off = torch.arange(c)
-        real = off.unsqueeze(0) < lq[sel].unsqueeze(1)  # [n, c]
-        q_index = torch.where(real, q0[sel].unsqueeze(1) + off, 0)
-        k_index = torch.where(real, k0[sel].unsqueeze(1) + off, 0)
-        whole = lq[sel] == c
+        real = (off.unsqueeze(0) < lq[sel].unsqueeze(1)).flatten()  # [n * c]
+        q_index = torch.where(real, (q0[sel].unsqueeze(1) + off).flatten(), 0)
+        k_index = torch.where(real, (k0[sel].unsqueeze(1) + off).flatten(), 0)
+        # every call's real and padding slots at once, numbered inside the call's batch
+        ends = torch.cumsum(counts, 0) * c
+        real_at, pad_at = real.nonzero().flatten(), (~real).nonzero().flatten()
+        real_bounds = [0] + torch.searchsorted(real_at, ends).tolist()
+        pad_bounds = [0] + torch.searchsorted(pad_at, ends).tolist()
+        rows = q_index[real_at]
+        base = ends - counts * c
+        real_at = real_at - base[torch.searchsorted(ends, real_at, right=True)]
+        pad_at = pad_at - base[torch.searchsorted(ends, pad_at, right=True)]
         at = 0
-        for t, n in zip(steps.tolist(), counts.tolist()):
-            qi, ki = q_index[at:at + n].flatten(), k_index[at:at + n].flatten()
-            slots = None if bool(whole[at:at + n].all()) else real[at:at + n].flatten().nonzero().flatten()
+        for j, (t, n) in enumerate(zip(steps.tolist(), counts.tolist())):
+            qi, ki = q_index[at * c:(at + n) * c], k_index[at * c:(at + n) * c]
+            whole = pad_bounds[j + 1] == pad_bounds[j]
+            slots = None if whole else real_at[real_bounds[j]:real_bounds[j + 1]]
+            pads = None if whole else pad_at[pad_bounds[j]:pad_bounds[j + 1]]
             strided = _strided(qi, ki, n, c, c) if slots is None else None
-            out[t].batches.append(Batch(qi, ki, None, n, c, c, slots, slots, strided, causal=True))
+            out[t].batches.append(Batch(qi, ki, None, n, c, c, slots, slots, strided, causal=True, q_pad=pads,
+                                        rows=rows[real_bounds[j]:real_bounds[j + 1]]))
             at += n

@@ -95,30 +95,40 @@ def direct_layers(pieces: list) -> list:
     layer where its query rows are not taken (pieces in query order).  Inside a layer, the pieces
     whose key rows no earlier piece of it takes share the key split (``k_chunk``); the others
     (``k_chunk`` -1: documents whose query stripes see the same keys) take their own views."""
-    layers = []  # [pieces, q intervals]
-    for p in sorted(pieces, key=lambda p: (p.q0, p.k0)):
-        for layer in layers:
-            if layer[1].free(p.q0, p.q1):
-                break
-        else:
-            layer = [[], _Intervals()]
-            layers.append(layer)
-        layer[0].append((p.q0, p.q1, p.k0, p.k1, p.causal))
-        layer[1].add(p.q0, p.q1)
-    out = []
-    for found, _ in layers:
-        found.sort()
-        q_sizes, q_chunk = _partition([(a, b) for a, b, _, _, _ in found])
-        keys, shared = _Intervals(), []
+    found = [(p.q0, p.q1, p.k0, p.k1, p.causal) for p in sorted(pieces, key=lambda p: (p.q0, p.k0))]
+    if all(a[1] <= b[0] for a, b in zip(found, found[1:])):
+        groups = [sorted(found)] if found else []  # no two share a query row: one layer
+    else:
+        groups = []  # [pieces, q intervals]
+        for p in found:
+            for layer in groups:
+                if layer[1].free(p[0], p[1]):
+                    break
+            else:
+                layer = [[], _Intervals()]
+                groups.append(layer)
+            layer[0].append(p)
+            layer[1].add(p[0], p[1])
+        groups = [sorted(g) for g, _ in groups]
+    return [_layer(g) for g in groups]
+
+
+def _layer(found: list) -> DirectLayer:
+    """The :class:`DirectLayer` of pieces in query order, no query row twice."""
+    q_sizes, q_chunk = _partition([(a, b) for a, b, _, _, _ in found])
+    keys = sorted((c, d) for _, _, c, d, _ in found)
+    if all(x[1] <= y[0] for x, y in zip(keys, keys[1:])):
+        shared = [True] * len(found)  # no two share a key row
+    else:
+        free, shared = _Intervals(), []
         for _, _, c, d, _ in found:
-            shared.append(keys.free(c, d))
+            shared.append(free.free(c, d))
             if shared[-1]:
-                keys.add(c, d)
-        k_sizes, chunks = _partition([(c, d) for (_, _, c, d, _), s in zip(found, shared) if s])
-        it = iter(chunks)
-        k_chunk = tuple(next(it) if s else -1 for s in shared)
-        out.append(DirectLayer(tuple(found), q_sizes, q_chunk, k_sizes, k_chunk, sum(q_sizes), sum(k_sizes)))
-    return out
+                free.add(c, d)
+    k_sizes, chunks = _partition([(c, d) for (_, _, c, d, _), s in zip(found, shared) if s])
+    it = iter(chunks)
+    k_chunk = tuple(next(it) if s else -1 for s in shared)
+    return DirectLayer(tuple(found), q_sizes, q_chunk, k_sizes, k_chunk, sum(q_sizes), sum(k_sizes))
 
 
 def as_format(x: torch.Tensor, fmt: str) -> torch.Tensor:

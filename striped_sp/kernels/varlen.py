@@ -65,13 +65,8 @@ def _compile_batch(p: Batch, b: int, arena: Arena, mask_form) -> _Batch:
     strided = p.strided if b == 1 else None
     if strided is not None:
         return _Batch(p.packs, p.cq, p.ck, strided, arena.add(mask), None, None, None, p.causal)
-    q_pad = None
-    if p.q_real is not None:
-        keep = torch.ones(p.packs * p.cq, dtype=torch.bool)
-        keep[p.q_real] = False
-        q_pad = keep.nonzero().flatten()
     return _Batch(p.packs, p.cq, p.ck, None, arena.add(mask), arena.add(p.q_index), arena.add(p.k_index),
-                  arena.add(q_pad), p.causal)
+                  arena.add(p.pad_slots()), p.causal)
 
 
 @dataclasses.dataclass
@@ -99,7 +94,7 @@ SPAN_ROWS = 1024
 def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Arena) -> list:
     """The merge layers of a call: one per direct layer, each batch in the first layer that has
     none of its rows (a new one if none; a long strided batch always a layer of its own)."""
-    taken, members, piece_rows, parts = [], [], [], []
+    taken, piece_rows, parts = [], [], []
     for layer in direct:
         spans = layer.rows
         alone = tuple(i for i, (a, b) in enumerate(spans) if b - a >= SPAN_ROWS)
@@ -112,46 +107,65 @@ def _layers(direct: list, batches: list, plan_batches: list, nq: int, arena: Are
         for i in alone:
             occ[spans[i][0]:spans[i][1]] = True
         taken.append(occ)
-        members.append([])
         piece_rows.append(rows)
-    for p, src in zip(batches, plan_batches):
-        rows = _batch_rows(src)
-        alone = src.strided is not None and src.packs * src.cq >= SPAN_ROWS  # merged on its own slice
-        for i, occ in enumerate(taken):
-            if not alone and not bool(occ[rows].any()):
-                break
-        else:
-            i = len(taken)
-            taken.append(torch.ones(nq, dtype=torch.bool) if alone else torch.zeros(nq, dtype=torch.bool))
-            members.append([])
-        taken[i][rows] = True
-        members[i].append((p, src, rows))
+    rows_of = [src.real_rows() for src in plan_batches]
+    members = _assign(taken, rows_of, plan_batches, nq)
     out = []
     for i, found in enumerate(members):
-        rows = [piece_rows[i]] if i < len(direct) else []
-        at = rows[0].numel() if rows else 0
-        keep = [torch.arange(at)]
-        for _, src, batch_rows in found:
-            slots = src.packs * src.cq
-            keep.append(at + (torch.arange(slots) if src.q_real is None else src.q_real))
-            rows.append(batch_rows)
-            at += slots
-        rows = torch.cat(rows)
-        alone, pooled = parts[i] if i < len(direct) else ((), ())
+        rows = ([piece_rows[i]] if i < len(direct) else []) + [rows_of[j] for j in found]
+        rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        srcs = [plan_batches[j] for j in found]
+        padded = any(src.q_real is not None for src in srcs)
+        keep = None
+        if padded:  # the real slots' places in the layer's concatenated results, all at once
+            at = piece_rows[i].numel() if i < len(direct) else 0
+            slots = [src.packs * src.cq for src in srcs]
+            local = [torch.arange(at)] + [torch.arange(n) if src.q_real is None else src.q_real
+                                          for src, n in zip(srcs, slots)]
+            firsts = torch.tensor([0] + slots).cumsum(0)[:-1] + at
+            keep = torch.cat(local) + torch.repeat_interleave(
+                torch.cat([torch.zeros(1, dtype=torch.int64), firsts]), torch.tensor([x.numel() for x in local]))
         span = None
         if rows.numel():
-            first = int(rows[0])
-            span = (first, first + rows.numel()) if bool((rows == torch.arange(first, first + rows.numel())).all()) else None
-        padded = any(src.q_real is not None for _, src, _ in found)
-        out.append(_Layer(direct[i] if i < len(direct) else None, [p for p, _, _ in found],
-                          arena.add(torch.cat(keep)) if padded else None,
-                          None if span is not None or not rows.numel() else arena.add(rows), span, alone, pooled))
+            first, n = int(rows[0]), rows.numel()
+            # rows are distinct: a run in order when it ends where a run would, and steps by one
+            if int(rows[-1]) == first + n - 1 and bool((rows[1:] - rows[:-1] == 1).all()):
+                span = (first, first + n)
+        alone, pooled = parts[i] if i < len(direct) else ((), ())
+        out.append(_Layer(direct[i] if i < len(direct) else None, [batches[j] for j in found],
+                          arena.add(keep), None if span is not None or not rows.numel() else arena.add(rows),
+                          span, alone, pooled))
     return out
 
 
-def _batch_rows(p: Batch) -> torch.Tensor:
-    """The local query rows of a batch's real slots, in slot order."""
-    return p.q_index if p.q_real is None else p.q_index[p.q_real]
+def _assign(taken: list, rows_of: list, plan_batches: list, nq: int) -> list:
+    """Each batch's merge layer (``members[i]``: the batches of layer ``i``), first fit on the
+    layers' rows ``taken`` (bool ``[nq]``, one per direct layer; may be updated).  Batches that share no
+    row with each other or with the first layer all join it, found in one pass (packed
+    documents: the usual case); otherwise one by one."""
+    members = [[] for _ in taken]
+    if not rows_of:
+        return members
+    alone = [src.strided is not None and src.packs * src.cq >= SPAN_ROWS for src in plan_batches]
+    if not any(alone):
+        every = torch.cat(rows_of)
+        clash = bool((torch.bincount(every, minlength=nq) > 1).any()) or (bool(taken[0][every].any()) if taken else False)
+        if not clash:
+            if not taken:
+                members.append([])
+            members[0] = list(range(len(rows_of)))
+            return members
+    for j, (rows, own) in enumerate(zip(rows_of, alone)):
+        for i, occ in enumerate(taken):
+            if not own and not bool(occ[rows].any()):
+                break
+        else:
+            i = len(taken)
+            taken.append(torch.ones(nq, dtype=torch.bool) if own else torch.zeros(nq, dtype=torch.bool))
+            members.append([])
+        taken[i][rows] = True
+        members[i].append(j)
+    return members
 
 
 class ScheduledCall:
