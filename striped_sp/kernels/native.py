@@ -1,6 +1,14 @@
 """Varlen programs for kernels with a varlen entry point (flash-attn, PyTorch's CUDA flash op):
 one call per window class on the rows of its segments, compiled for a whole plan at once
-(:func:`native_programs`).  Formats as in :mod:`striped_sp.kernels.varlen`."""
+(:func:`native_programs`).  Formats as in :mod:`striped_sp.kernels.varlen`.
+
+A native call packs every segment's keys back to back, so segments that share keys gather them
+once each.  Stripes of one document against a block of it are such a case: query stripe ``j``
+sees the keys of the whole prefix up to its own stripe (a staircase), and 32 stripes of 512 rows
+gathered about 15 times the block's keys per step.  :func:`unfold_staircases` rewrites such runs
+before the grouping, exactly and with no key twice: one causal segment over the whole run, shifted
+so that each stripe's last row sees its whole prefix, and per stripe the triangle of keys that the
+causal edge cuts off from its other rows (window ``(0, -1)``): two calls instead of one."""
 
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from .merge import merge_block_safe as _merge
 from .merge import merge_rows as _merge_rows
 from .segments import _ranges
 
-__all__ = ["NativeCall", "native_programs"]
+__all__ = ["NativeCall", "native_programs", "unfold_staircases"]
 
 
 @dataclasses.dataclass
@@ -113,6 +121,8 @@ def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list
     call = torch.repeat_interleave(torch.arange(len(calls)), counts)
     wl, wr, q0, k0, lq, lk = (torch.cat([getattr(c, f) for c in calls]) for f in ("wl", "wr", "q_start", "k_start",
                                                                                   "lq", "lk"))
+    # a call whose stripes gather a block's worth of keys more than once is unfolded
+    call, wl, wr, q0, k0, lq, lk = unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving=nk)
     # one int64 key per (call, window): windows numbered first (1-D uniques are fast, dim=0 is not)
     wls, wl_id = torch.unique(wl, return_inverse=True)
     wrs, wr_id = torch.unique(wr, return_inverse=True)
@@ -157,6 +167,67 @@ def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list
                                   arena.view(cus_k, cu_first[g], sizes[g] + 1), max(max_q[g], max_k[g]), tot_q[g],
                                   q_span, k_span))
     return [NativeCall(groups) for groups in programs]
+
+
+def _runs_of(link: torch.Tensor) -> tuple:
+    """``(in_run, run, first)`` of segments that ``link`` to the one before: members of runs of
+    at least two, every segment's run number (a lone segment its own), the runs' first segments."""
+    in_run = link.clone()
+    in_run[:-1] |= link[1:]
+    return in_run, torch.cumsum(~link, 0) - 1, in_run & ~link
+
+
+def unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving: int = 0) -> tuple:
+    """Segments (int64, concatenated, ``call``: each one's call, in call order) with every
+    staircase run rewritten (module docstring); the same fields, still in call order.
+
+    A run: full segments of one call, one after the other, whose rows lie back to back, whose
+    keys all start at one row, each with as many more keys than the one before as it has rows,
+    and the first with at least as many keys as rows.  Its stripe ``j`` (rows ``l_j``, keys
+    ``e_j``) becomes the rows of a causal segment over the run (keys ``e_last``, so each stripe's
+    last row sees exactly its ``e_j`` keys) and, for ``l_j > 1``, a triangle: its first
+    ``l_j - 1`` rows against its last ``l_j - 1`` keys with window ``(0, -1)`` (row ``u`` sees
+    keys from ``u`` on), the keys that the causal edge leaves out.  Only calls that gather at
+    least ``min_saving`` fewer key rows so are rewritten."""
+    n = call.numel()
+    if n < 2:
+        return call, wl, wr, q0, k0, lq, lk
+    full = (wl < 0) & (wr < 0)
+    link = torch.zeros(n, dtype=torch.bool)
+    link[1:] = ((call[1:] == call[:-1]) & full[1:] & full[:-1] & (q0[1:] == q0[:-1] + lq[:-1])
+                & (k0[1:] == k0[:-1]) & (lk[1:] == lk[:-1] + lq[1:]) & (lk[:-1] >= lq[:-1]))
+    if not bool(link.any()):
+        return call, wl, wr, q0, k0, lq, lk
+    in_run, run, first = _runs_of(link)
+    # the keys a call would gather less, unfolded: a run's last keys once and l - 1 per stripe
+    # instead of every stripe's prefix; only a call that gathers at least ``min_saving`` fewer
+    # unfolds (one or two more launches against a duplicated gather)
+    last_keys = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).scatter_reduce_(
+        0, run[in_run], lk[in_run], "amax", include_self=False)
+    calls = int(call[-1]) + 1
+    saving = torch.zeros(calls, dtype=torch.int64).index_add_(0, call[in_run], (lk - torch.clamp(lq - 1, min=0))[in_run])
+    saving.index_add_(0, call[first], -last_keys[run[first]])
+    link &= (saving >= min_saving)[call]
+    if not bool(link.any()):
+        return call, wl, wr, q0, k0, lq, lk
+    in_run, run, first = _runs_of(link)
+    runs = run[first]  # the runs that are rewritten, in order
+    rows = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).index_add_(0, run[in_run], lq[in_run])[runs]
+    last_keys = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).scatter_reduce_(
+        0, run[in_run], lk[in_run], "amax", include_self=False)[runs]
+    tri = in_run & (lq > 1)
+    keep = ~in_run
+    parts = (  # (call, wl, wr, q0, k0, lq, lk) of the kept segments, the causal runs, the triangles
+        (call[keep], wl[keep], wr[keep], q0[keep], k0[keep], lq[keep], lk[keep]),
+        (call[first], torch.full_like(rows, -1), torch.zeros_like(rows), q0[first], k0[first], rows, last_keys),
+        (call[tri], torch.zeros_like(lq[tri]), torch.full_like(lq[tri], -1), q0[tri], (k0 + lk - lq + 1)[tri],
+         lq[tri] - 1, lq[tri] - 1),
+    )
+    # back in call order; inside a call the kept and causal segments in their order, then the triangles
+    where = torch.cat([torch.arange(n)[keep], torch.arange(n)[first], n + torch.arange(n)[tri]])
+    fields = [torch.cat(f) for f in zip(*parts)]
+    order = torch.argsort(fields[0] * (2 * n) + where)
+    return tuple(f[order] for f in fields)
 
 
 def _group_rows(starts, lens, g_of, sizes, totals, arena) -> list:

@@ -293,3 +293,117 @@ def test_equal_short_documents_run_on_strided_packs(backend):
     q, dout = torch.randn(1, 160, 4, 8, generator=gen), torch.randn(1, 160, 4, 8, generator=gen)
     k, v = torch.randn(1, 160, 2, 8, generator=gen), torch.randn(1, 160, 2, 8, generator=gen)
     _check_against_reference(q, k, v, dout, segs, _run(KERNELS[backend], q, k, v, dout, segs))
+
+
+def _staircase_segments():
+    """Two documents' stripes against blocks of them (each query stripe sees the whole key
+    prefix up to its own stripe), the second with a short last stripe and a key prefix longer
+    than its first stripe, a one-row stripe, and segments of other kinds between them."""
+    items = []  # (q0, lq, k0, lk, wl, wr)
+    q = 0
+    for stripe, keys in [(8, 8 * j) for j in range(1, 11)]:  # a dense row's stripes
+        items.append((q, stripe, 0, keys, -1, -1))
+        q += stripe
+    items.append((q, 6, 90, 6, -1, 0))  # a causal document
+    q += 6
+    for stripe, keys in ((7, 12), (7, 19), (1, 20), (5, 25)):  # prefix of 12 before 7 rows
+        items.append((q, stripe, 100, keys, -1, -1))
+        q += stripe
+    items.append((q, 4, 130, 9, 3, 0))  # a band
+    q += 4
+    items.append((q, 5, 0, 5, -1, -1))  # full, keys start at 0 but not a next stripe
+    q += 5
+    items += [(q, 6, 140, 3, -1, -1), (q + 6, 4, 140, 7, -1, -1)]  # a prefix shorter than its stripe: no run
+    q += 10
+    items += [(q, 6, 150, 6, -1, -1), (q + 6, 4, 150, 12, -1, -1)]  # keys grow by more than the rows: no run
+    q += 10
+    items += [(q, 6, 170, 6, -1, -1), (q + 8, 4, 170, 10, -1, -1)]  # rows not back to back: no run
+    q += 12
+    items += [(q, 6, 180, 6, -1, -1), (q + 6, 4, 181, 10, -1, -1)]  # keys from another row: no run
+    q += 10
+    items += [(q, 6, 195, 6, -1, 0), (q + 6, 4, 195, 10, -1, -1)]  # a causal first stripe: no run
+    cu = lambda xs: torch.tensor([0] + list(torch.tensor(xs).cumsum(0)))  # noqa: E731
+    col = list(zip(*items))
+    return Segments(cu(col[1]), cu(col[3]), torch.tensor(col[4]), torch.tensor(col[5]), torch.tensor(col[0]),
+                    torch.tensor(col[2]))
+
+
+def test_staircase_stripes_gather_no_key_twice(monkeypatch):
+    """Stripes that see a growing key prefix run as one causal call and one call of triangles
+    (window (0, -1)): the keys gathered are about the block's, not once per stripe; exact,
+    forward and backward."""
+    calls = []
+    _install_fake_varlen_flash_attn(monkeypatch, calls)
+    segs = _staircase_segments()
+    nq, nk = _sizes(segs)
+    program = varlen.as_program(FlashAttnKernel(), segs, torch.zeros(1, nq, 1, 8), torch.zeros(1, nk, 1, 8))
+    windows = sorted((g.wl, g.wr) for g in program.groups)
+    assert windows == [(-1, -1), (-1, 0), (0, -1), (3, 0)]
+    # each run: its last stripe's keys once (causal) and l - 1 per stripe (triangles); the rest as they are
+    gathered = sum(int(g.cu_k.t[-1]) for g in program.groups)
+    assert gathered == (80 + 10 * 7) + (25 + 6 + 6 + 0 + 4) + (6 + 9 + 5 + 3 + 7 + 6 + 12 + 3 * 16) < int(segs.lk.sum()) == 612
+    gen = torch.Generator().manual_seed(9)
+    q, dout = torch.randn(2, nq, 4, 8, generator=gen), torch.randn(2, nq, 4, 8, generator=gen)
+    k, v = torch.randn(2, nk, 2, 8, generator=gen) * 2, torch.randn(2, nk, 2, 8, generator=gen)
+    _check_against_reference(q, k, v, dout, segs, _run(FlashAttnKernel(), q, k, v, dout, segs))
+
+
+def test_staircase_runs_stay_inside_their_call():
+    """A run never joins the last stripe of one call to the first of the next, and segments
+    that are no run come back as they were."""
+    from striped_sp.kernels.native import unfold_staircases
+
+    segs = _staircase_segments()
+    fields = [segs.wl, segs.wr, segs.q_start, segs.k_start, segs.lq, segs.lk]
+    # stripe 2 of the first document as the first segment of a second call: two runs of 2
+    split = torch.tensor([0, 0] + [1] * 25)
+    every = -(10 ** 9)  # every run unfolds, whatever it saves
+    got = unfold_staircases(split, *fields, min_saving=every)
+    whole = unfold_staircases(torch.zeros_like(split), *fields, min_saving=every)
+    call0 = [tuple(int(f[i]) for f in got[1:]) for i in range(len(got[0])) if int(got[0][i]) == 0]
+    # (wl, wr, q0, k0, lq, lk): its 2 stripes as one causal run and 2 triangles
+    assert call0 == [(-1, 0, 0, 0, 16, 16), (0, -1, 0, 1, 7, 7), (0, -1, 8, 9, 7, 7)]
+    assert len(got[0]) == len(whole[0]) + 1  # one more causal run, the same triangles
+    # a call unfolds only when it gathers at least min_saving fewer keys so (here both runs or none)
+    saving = (8 * 55 - 80 - 70) + (76 - 25 - 16)
+    assert len(unfold_staircases(torch.zeros_like(split), *fields, min_saving=saving)[0]) == len(whole[0])
+    assert all(torch.equal(a, b) for a, b in zip(unfold_staircases(torch.zeros_like(split), *fields,
+                                                                   min_saving=saving + 1)[1:], fields))
+    assert bool((whole[5] > 0).all())  # a one-row stripe has no triangle (no empty segment)
+    random_segs = _random_segments(random.Random(11), 30)
+    plain = [random_segs.wl, random_segs.wr, random_segs.q_start, random_segs.k_start, random_segs.lq,
+             random_segs.lk]
+    same = unfold_staircases(torch.zeros(30, dtype=torch.int64), *plain)
+    assert all(torch.equal(a, b) for a, b in zip(same[1:], plain))
+
+
+@pytest.mark.parametrize("layout,docs", [("striped:stripe=4", None), ("striped:stripe=4", [0, 100, 110, 128]),
+                                         ("striped:stripe=2", [0, 90, 128])])
+def test_stripes_on_the_native_path_are_exact_with_staircases_unfolded(monkeypatch, layout, docs):
+    """A whole ring (4 ranks, in process) of stripes on the flash-attn path, where every step's
+    query stripes see growing key prefixes and are unfolded: against float64 attention."""
+    from reference import reference_attention
+    from striped_sp.engine import local
+    from striped_sp.kernels import native
+
+    calls, unfolded = [], []
+    _install_fake_varlen_flash_attn(monkeypatch, calls)
+    real = native.unfold_staircases
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        unfolded.append(len(out[0]) != len(args[0]))
+        return out
+
+    monkeypatch.setattr(native, "unfold_staircases", spy)
+    gen = torch.Generator().manual_seed(21)
+    q, do = (torch.randn(1, 128, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 128, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, True, 8 ** -0.5, docs, None)
+    (ref * do).sum().backward()
+    args = dict(layout=layout) if docs is None else dict(layout=layout, cu_seqlens=docs)
+    sim = local.simulate(q, k, v, 4, do, kernel=FlashAttnKernel(), **args)
+    assert any(unfolded)  # the path under test ran
+    for got, want in ((sim.out, ref), (sim.dq, qr.grad), (sim.dk, kr.grad), (sim.dv, vr.grad)):
+        assert (got - want.detach()).abs().max().item() < 1e-10
