@@ -425,6 +425,7 @@ def _layer_counts(request, path: _Path, n: int, local: int, cfg: OverheadConfig,
             "data_dependent_ops": later.data_dependent,
             "first_layer_h2d_copies": first.copies, "first_layer_syncs": sum(first.syncs.values()),
             "planned_forward_launches": sum(launches), "launches_per_step_group": per_group,
+            "gathered_keys_per_step": sum(plan.gathered_keys(t) for t in range(plan.steps)) / plan.steps / local,
             "top_ops": [(k, c) for k, c in later.ops.most_common(6) if k.startswith("aten.")][:5]}
 
 
@@ -495,7 +496,8 @@ def measure(cfg: OverheadConfig, profile: bool = False) -> list[dict]:
     """JSON records, one per (point, row, layout, path): ``plan_ms`` (``prepare_ms`` +
     ``compile_ms``), the layer's counts after the first (``ops``, ``kernel_calls``,
     ``forward_kernel_calls``, ``other_ops``, ``views``, ``h2d_copies``, ``syncs``), the first layer's
-    ``first_layer_h2d_copies`` / ``first_layer_syncs``, ``steps``, ``launches_per_step_group`` (the
+    ``first_layer_h2d_copies`` / ``first_layer_syncs``, ``steps``, ``gathered_keys_per_step`` (key
+    rows gathered by index per forward step, in local blocks), ``launches_per_step_group`` (the
     most attention calls of a forward step per window class of its calls) and ``host_ms``."""
     from .common import progress
 
@@ -629,7 +631,7 @@ def register(modes) -> None:
 COLUMNS = [("layout", "layout"), ("world_size", "N"), ("tokens_label", "tokens"), ("row", "row"), ("path", "path"),
            ("steps", "steps"), ("plan_ms", "plan ms"), ("ops", "ops"), ("kernel_calls", "kernels"),
            ("other_ops", "other ops"), ("h2d_copies", "h2d"), ("syncs", "syncs"), ("host_ms", "host ms"),
-           ("launches_per_step_group", "launch/step-class")]
+           ("launches_per_step_group", "launch/step-class"), ("gathered_keys_per_step", "keys gathered")]
 
 
 def _main(args) -> int:
@@ -663,7 +665,8 @@ def _main(args) -> int:
           "other ops, host-to-device\ncopies, synchronisations; host ms: the layer's CPU time (one thread; median of "
           f"{cfg.reps}); cpu: attention ops shape-only,\nso everything but their compute; {cuda_note}\n"
           f"rows: dense (one document), packed ({cfg.docs}; zigzag pads documents to 2N), window ({cfg.window}, 0);\n"
-          "launch/step-class: the most attention calls of a forward step per window class of its calls\n")
+          "launch/step-class: the most attention calls of a forward step per window class of its calls;\n"
+          "keys gathered: key rows gathered by index per forward step (the values' the same), in local blocks\n")
     rows = [{**r, "tokens_label": _tok(r["tokens"]), "syncs": r["syncs"] if r["path"] != "cpu" else None}
             for r in recs]
     print(format_table(rows, COLUMNS))

@@ -54,6 +54,10 @@ class NativeCall:
     def launches(self) -> int:
         return len(self.groups)
 
+    def gathered_keys(self) -> int:
+        """Key rows gathered per forward (the values' the same): the groups' rows that are no span."""
+        return sum(g.k_rows.t.numel() for g in self.groups if g.k_span is None)
+
     def forward(self, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
         """``kernel.varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale) -> (out [T, h, d],
         lse [h, T])`` once per window group on the gathered rows, merged into the accumulators."""

@@ -186,6 +186,11 @@ class ScheduledCall:
         """Kernel calls per forward (the same per backward)."""
         return len(self.direct) + len(self.batches)
 
+    def gathered_keys(self) -> int:
+        """Key rows gathered per forward (the values' the same): the slots of the batches that are
+        no strided view (direct pieces take slices)."""
+        return sum(p.k_index.t.numel() for p in self.batches if p.strided is None)
+
     def forward(self, kernel, q, k, v, scale, acc_out, acc_lse) -> None:
         fmt = kernel.tensor_format  # the direct pieces' results are in it: concatenated in it
         sd = 1 if fmt == "bshd" else 2

@@ -63,6 +63,11 @@ class RingPlan:
             return len(self.calls[step])
         return sum(p.launches() for p in self.programs[step])
 
+    def gathered_keys(self, step: int) -> int:
+        """Key rows that ``step`` gathers per forward (the values' the same; 0 for a dense plan,
+        which runs on the blocks as they are)."""
+        return sum(p.gathered_keys() for p in self.programs[step]) if self.masked else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class HostPlan:
