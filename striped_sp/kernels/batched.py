@@ -45,6 +45,10 @@ class Batch:
     causal: bool = False
     q_pad: torch.Tensor | None = None
     rows: torch.Tensor | None = None
+    #: the schedule's item group (0 narrow tiles, 1 left edges, 2 right edges, 3 dense middles):
+    #: batches of one group share no row, and those of groups 0 and 3 none with a direct piece (an
+    #: edge shares its tile's rows with the middle, which may be one); -1: not known
+    group: int = -1
 
     def pad_slots(self) -> torch.Tensor | None:
         """The slots that hold no real row (``None``: there are none)."""

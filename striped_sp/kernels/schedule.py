@@ -267,10 +267,19 @@ def schedule_steps(calls: list, halve=None) -> list:
     rest = ~direct_sel
     tiles = _tiles(q0[rest], lq[rest], k0[rest], lk[rest], lo[rest], hi[rest], st[rest])
     left, middle, right, narrow = _split_tiles(tiles)
-    # each group has distinct rows; a row may appear once in each group
-    for items in (narrow, left, right):
-        _masked_batches(items, out)
-    _dense_pieces(*middle, out)
+    # each group has distinct rows (a row may appear once in each group); narrow tiles and middles
+    # share none with a direct piece (those are other segments, or the middles of other tiles):
+    # batches carry their group, for the merge layers
+    done = [0] * len(out)
+    for group, items in enumerate((narrow, left, right, middle)):
+        if group < 3:
+            _masked_batches(items, out)
+        else:
+            _dense_pieces(*items, out)
+        for t, sched in enumerate(out):
+            for p in sched.batches[done[t]:]:
+                p.group = group
+            done[t] = len(sched.batches)
     return out
 
 

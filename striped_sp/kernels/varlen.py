@@ -142,14 +142,20 @@ def _assign(taken: list, rows_of: list, plan_batches: list, nq: int) -> list:
     """Each batch's merge layer (``members[i]``: the batches of layer ``i``), first fit on the
     layers' rows ``taken`` (bool ``[nq]``, one per direct layer; may be updated).  Batches that share no
     row with each other or with the first layer all join it, found in one pass (packed
-    documents: the usual case); otherwise one by one."""
+    documents: the usual case; batches of one schedule group share none by construction, see
+    :attr:`~striped_sp.kernels.batched.Batch.group`); otherwise one by one."""
     members = [[] for _ in taken]
     if not rows_of:
         return members
     alone = [src.strided is not None and src.packs * src.cq >= SPAN_ROWS for src in plan_batches]
     if not any(alone):
-        every = torch.cat(rows_of)
-        clash = bool((torch.bincount(every, minlength=nq) > 1).any()) or (bool(taken[0][every].any()) if taken else False)
+        groups = {src.group for src in plan_batches}
+        if groups == {0} or groups == {3}:
+            clash = False
+        else:
+            every = torch.cat(rows_of)
+            clash = (bool((torch.bincount(every, minlength=nq) > 1).any())
+                     or (bool(taken[0][every].any()) if taken else False))
         if not clash:
             if not taken:
                 members.append([])

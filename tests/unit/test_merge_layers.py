@@ -111,11 +111,11 @@ def test_batches_join_merge_layers_first_fit(case):
             rows_of[rng.randrange(len(rows_of))] = torch.cat([rows_of[-1], perm[rng.randrange(80):][:1]])
         if case == "clash-between-batches":
             rows_of.append(rows_of[0][:3].clone())
-        srcs = [types.SimpleNamespace(strided=None, packs=1, cq=r.numel()) for r in rows_of]
+        srcs = [types.SimpleNamespace(strided=None, packs=1, cq=r.numel(), group=-1) for r in rows_of]
         alone = [False] * len(srcs)
         if case == "alone":
             j = rng.randrange(len(srcs))
-            srcs[j] = types.SimpleNamespace(strided=(0, 0, 1), packs=1, cq=varlen.SPAN_ROWS)
+            srcs[j] = types.SimpleNamespace(strided=(0, 0, 1), packs=1, cq=varlen.SPAN_ROWS, group=-1)
             alone[j] = True
         taken = []
         for rows in direct_rows:
@@ -156,3 +156,28 @@ def test_builders_padding_slots_and_rows_follow_q_real():
                 assert torch.equal(p.real_rows(), p.q_index[p.q_real])
                 seen["padded"] += 1
     assert seen["padded"] > 20 and seen["whole"] > 20
+
+
+def test_batches_of_one_group_share_no_row_nor_a_direct_pieces():
+    """What lets ``varlen._assign`` put batches of one schedule group into the first merge layer
+    unchecked: their rows are distinct, and for narrow tiles and dense middles distinct from every
+    direct piece's (an edge's rows are those of its tile's middle, which may be a direct piece)."""
+    rng = random.Random(8)
+    groups_seen = set()
+    for _ in range(40):
+        for sched in schedule_steps(_random_calls(rng)):
+            direct = set()
+            for p in sched.direct:
+                direct |= set(range(p.q0, p.q1))
+            by_group = {}
+            for p in sched.batches:
+                assert p.group in (0, 1, 2, 3)
+                rows = p.real_rows().tolist()
+                assert len(set(rows)) == len(rows)
+                seen = by_group.setdefault(p.group, set())
+                assert not seen & set(rows)
+                if p.group in (0, 3):
+                    assert not direct & set(rows)
+                seen |= set(rows)
+            groups_seen |= set(by_group)
+    assert groups_seen == {0, 1, 2, 3}
