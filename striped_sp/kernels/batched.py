@@ -208,14 +208,14 @@ def _pack_batches(items, cls, out: list) -> None:
                                     q_pad=q_pad, rows=q_rows[real]))
 
 
-def _causal_batches(q0, lq, k0, st, out: list) -> None:
-    """Causal squares of at most ``TILE`` rows, one batch per call and :data:`CAUSAL_CLASSES`
-    class, each square padded at its end to its class and called causal without a mask: a real row
-    sees only keys before it, so never a padding key (padding rows are dropped, and add no gradient)."""
-    classes = torch.tensor(CAUSAL_CLASSES)
-    which = torch.searchsorted(classes, lq)
+def _causal_batches(q0, lq, k0, st, out: list, classes: tuple = CAUSAL_CLASSES) -> None:
+    """Causal squares of at most ``TILE`` rows, one batch per call and class of ``classes``
+    (ascending, the last holding the largest square), each square padded at its end to the smallest
+    class that holds it and called causal without a mask: a real row sees only keys before it, so
+    never a padding key (padding rows are dropped, and add no gradient)."""
+    which = torch.searchsorted(torch.tensor(classes), lq)
     for ci in torch.unique(which).tolist():
-        c = CAUSAL_CLASSES[ci]
+        c = classes[ci]
         sel = (which == ci).nonzero().flatten()
         steps, counts = torch.unique_consecutive(st[sel], return_counts=True)  # items come in call order
         off = torch.arange(c)

@@ -37,7 +37,8 @@ from .batched import (CAUSAL_CLASSES, UNIFORM_COUNT, Batch, _causal_batches, _ex
                       _runs, _strided_batch, _uniform_batch)
 from .segments import INF, Segments
 
-__all__ = ["TILE", "LEAF", "Direct", "Batch", "Schedule", "schedule", "schedule_steps", "halving_rule"]
+__all__ = ["TILE", "LEAF", "Direct", "Batch", "Schedule", "schedule", "schedule_steps", "halving_rule",
+           "class_rule"]
 
 #: query rows per tile of a long band (and the largest pack class)
 TILE = 128
@@ -123,6 +124,44 @@ def halving_rule(price, call_ns: float):
     return halve
 
 
+def class_rule(item_ns, batch_ns: float):
+    """``choose(lq, st)``: the size classes (a subset of :data:`CAUSAL_CLASSES`, ascending) that
+    small causal squares of ``lq`` rows in the calls ``st`` are padded to, each square to the
+    smallest chosen class that holds it.  Fewest predicted nanoseconds: ``item_ns(c)``, the kernel
+    time of one square padded to ``c`` (both passes), for every square, plus ``batch_ns`` for every
+    (call, class) batch, what one batched call costs beside its squares (its launch, its gathers
+    and scatters).  A dynamic program over the classes: ``O(classes^2)`` after one pass over the
+    squares."""
+    classes = CAUSAL_CLASSES
+    each = [float(item_ns(c)) for c in classes]
+
+    def choose(lq: torch.Tensor, st: torch.Tensor) -> tuple:
+        if lq.numel() == 0:
+            return classes
+        bucket = torch.searchsorted(torch.tensor(classes), lq)  # the smallest class that holds each
+        count = torch.bincount(bucket, minlength=len(classes)).tolist()
+        calls = int(st.max()) + 1
+        present = torch.zeros(calls, len(classes) + 1, dtype=torch.int64)
+        present[st, bucket + 1] = 1
+        upto = present.cumsum(1)  # [call, j]: buckets below j that the call has
+        # batches[i][j]: calls with a square in buckets i .. j - 1 (one batch each if one class holds them)
+        batches = ((upto.unsqueeze(2) - upto.unsqueeze(1)) < 0).sum(0).tolist()
+        top = int(bucket.max())
+        best, prev = [0.0] + [float("inf")] * len(classes), [0] * (len(classes) + 1)
+        for j in range(1, top + 2):  # class j - 1 chosen, holding buckets i .. j - 1
+            for i in range(j):
+                cost = best[i] + sum(count[i:j]) * each[j - 1] + batches[i][j] * batch_ns
+                if cost < best[j]:
+                    best[j], prev[j] = cost, i
+        chosen, j = [], top + 1
+        while j:
+            chosen.append(classes[j - 1])
+            j = prev[j]
+        return tuple(reversed(chosen))
+
+    return choose
+
+
 def _halve_causal(q0: int, k0: int, m: int, out: list, halve=None) -> None:
     """Cover the causal square of ``m`` rows at (q0, k0) with triangles and rectangles, halving
     while ``halve(rows)`` says so (``None``: down to squares under ``2 * LEAF`` rows)."""
@@ -178,7 +217,7 @@ def _split_tiles(items):
     return left, middle, right, narrow
 
 
-def _square_batches(q0, lq, k0, st, out: list) -> None:
+def _square_batches(q0, lq, k0, st, out: list, classes=None) -> None:
     """Small causal squares: runs of equal ones back to back (the diagonal tiles of a long band)
     as strided views, the others by class (:func:`_causal_batches`)."""
     rest = torch.ones(lq.numel(), dtype=torch.bool)
@@ -192,10 +231,11 @@ def _square_batches(q0, lq, k0, st, out: list) -> None:
         out[int(st[idx[0]])].batches.append(_strided_batch(q0[idx], k0[idx], m, m, None, causal=True))
         rest[idx] = False
     if bool(rest.any()):
-        _causal_batches(q0[rest], lq[rest], k0[rest], st[rest], out)
+        q0, lq, k0, st = q0[rest], lq[rest], k0[rest], st[rest]
+        _causal_batches(q0, lq, k0, st, out, CAUSAL_CLASSES if classes is None else classes(lq, st))
 
 
-def _masked_batches(items, out: list) -> None:
+def _masked_batches(items, out: list, classes=None) -> None:
     """Batches for band items with distinct rows (per call): causal squares by class, uniform
     shapes, then packs by size."""
     if items[1].numel() == 0:
@@ -203,7 +243,7 @@ def _masked_batches(items, out: list) -> None:
     q0, lq, k0, lk, lo, hi, st = items
     square = (lq == lk) & (lo <= 1 - lq) & (hi == 0) & (lq <= TILE) & (lq >= CAUSAL_CLASSES[0])
     if bool(square.any()):
-        _square_batches(q0[square], lq[square], k0[square], st[square], out)
+        _square_batches(q0[square], lq[square], k0[square], st[square], out, classes)
         if bool(square.all()):
             return
         q0, lq, k0, lk, lo, hi, st = items = tuple(t[~square] for t in items)
@@ -241,11 +281,12 @@ def _dense_pieces(q0, lq, k0, lk, st, out: list) -> None:
         out[t].direct.append(Direct(s, s + a, c, c + b, False))
 
 
-def schedule_steps(calls: list, halve=None) -> list:
+def schedule_steps(calls: list, halve=None, classes=None) -> list:
     """The pieces that cover each :class:`Segments` of ``calls`` (one :class:`Schedule` each,
     compiled once per batch into a :class:`~striped_sp.kernels.varlen.ScheduledCall`), derived
     for all of them at once: a plan's ring steps cost one pass of tensor ops, not one each.
-    ``halve``: a :func:`halving_rule` (``None``: causal squares are halved down to the smallest)."""
+    ``halve``: a :func:`halving_rule` (``None``: causal squares are halved down to the smallest);
+    ``classes``: a :func:`class_rule` (``None``: every class of :data:`CAUSAL_CLASSES`)."""
     out = [Schedule([], []) for _ in calls]
     if not calls:
         return out
@@ -273,7 +314,7 @@ def schedule_steps(calls: list, halve=None) -> list:
     done = [0] * len(out)
     for group, items in enumerate((narrow, left, right, middle)):
         if group < 3:
-            _masked_batches(items, out)
+            _masked_batches(items, out, classes)
         else:
             _dense_pieces(*items, out)
         for t, sched in enumerate(out):
@@ -283,6 +324,6 @@ def schedule_steps(calls: list, halve=None) -> list:
     return out
 
 
-def schedule(segs: Segments, halve=None) -> Schedule:
+def schedule(segs: Segments, halve=None, classes=None) -> Schedule:
     """The pieces that cover ``segs`` (:func:`schedule_steps` of one call)."""
-    return schedule_steps([segs], halve)[0]
+    return schedule_steps([segs], halve, classes)[0]

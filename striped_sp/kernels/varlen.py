@@ -340,11 +340,11 @@ def _mask_form(kernel, device, dtype):
 
 
 def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, head_dim: int | None, arena: Arena,
-                  halve=None) -> tuple:
+                  halve=None, classes=None) -> tuple:
     """The programs of a plan's varlen calls (``steps[t]``: step ``t``'s :class:`Segments`), as
     ``steps`` is nested: native ones compiled together (:func:`native_programs`), scheduled ones
-    scheduled together (:func:`~striped_sp.kernels.schedule.schedule_steps`), one program per
-    distinct call."""
+    scheduled together (:func:`~striped_sp.kernels.schedule.schedule_steps`, with the plan's
+    ``halve`` and ``classes`` rules), one program per distinct call."""
     if not kernel.native_varlen(torch.device(device), dtype, head_dim):
         # every distinct call's schedule derived at once; steps of the same segments (zigzag's
         # padded documents: every step but the first alike) share one program, which only reads
@@ -356,7 +356,7 @@ def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, 
                 distinct.setdefault(key, segs)
         form = _mask_form(kernel, device, dtype)
         programs = {key: ScheduledCall(plan, b, arena, nq, nk, form)
-                    for key, plan in zip(distinct, schedule_steps(list(distinct.values()), halve))}
+                    for key, plan in zip(distinct, schedule_steps(list(distinct.values()), halve, classes))}
         return tuple(tuple(programs[key] for key in step_keys) for step_keys in keys)
     flat = iter(native_programs([segs for step in steps for segs in step], b, nq, nk, arena))
     return tuple(tuple(next(flat) for _ in step) for step in steps)

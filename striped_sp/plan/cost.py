@@ -49,6 +49,10 @@ class CostModel:
     #: host time of one more kernel call in a scheduled varlen program, one pass (its slices, its
     #: dispatch, its share of the merge), whatever the heads: what a schedule's extra call costs
     host_ns_per_call: float = 25_000.0
+    #: host time of one more batched call, one pass (its gathers, its gradient scatters, the padding
+    #: rows' fills): what splitting squares into one more size class costs beside their compute
+    #: (measured here: 100-250 us for both passes at 1 head of 8, 7 batches against 1)
+    host_ns_per_batch: float = 75_000.0
 
     def call(self, rows: float, keys: float, causal: bool) -> float:
         if rows <= 0 or keys <= 0:

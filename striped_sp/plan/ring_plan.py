@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from ..kernels.schedule import halving_rule
+from ..kernels.schedule import class_rule, halving_rule
 from ..kernels.segments import Segments
 from ..kernels.varlen import Arena, compile_steps
 from .cost import model_for_kernel
@@ -133,14 +133,26 @@ def _joined(segs: list) -> Segments:
     return out
 
 
+def _work(model, heads: int, batch: int, head_dim: int | None) -> tuple[float, float]:
+    """``(work, passes)``: the model's table is per head of 64 and one pass."""
+    return max(heads, 1) * max(batch, 1) * (head_dim or 64) / 64, 1 + model.backward_factor
+
+
 def _halving(model, heads: int, batch: int, head_dim: int | None):
     """The schedule's halving rule for calls of ``batch`` x ``heads`` heads of ``head_dim``: the
-    model's kernel time of both passes (its table is per head of 64) against the host time of the
-    two more calls, each forward and backward, that one halving makes."""
-    work = max(heads, 1) * max(batch, 1) * (head_dim or 64) / 64
-    passes = 1 + model.backward_factor
+    model's kernel time of both passes against the host time of the two more calls, each forward
+    and backward, that one halving makes."""
+    work, passes = _work(model, heads, batch, head_dim)
     return halving_rule(lambda rows, keys, causal: model.call(rows, keys, causal) * work * passes,
                         2 * model.host_ns_per_call)
+
+
+def _classes(model, heads: int, batch: int, head_dim: int | None):
+    """The schedule's size classes of small causal squares: each square's padded compute (both
+    passes) against what a batched call costs beside it (its launch and host work, both passes)."""
+    work, passes = _work(model, heads, batch, head_dim)
+    return class_rule(lambda c: (model.call(c, c, True) - model.call_ns) * work * passes,
+                      model.call_ns * work * passes + 2 * model.host_ns_per_batch)
 
 
 def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtype = torch.float32,
@@ -158,9 +170,9 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
                         masked=False, **cost)
     arena = Arena()
     n = host.local_len
-    halve = _halving(model, heads, batch, head_dim)
     programs = compile_steps(kernel, [[c.segments for c in step] for step in host.calls], batch, n, n, device, dtype,
-                             head_dim, arena, halve)
+                             head_dim, arena, _halving(model, heads, batch, head_dim),
+                             _classes(model, heads, batch, head_dim))
     arena.place(device)
     return RingPlan(host.world_size, host.rank, n, host.steps, host.calls, host.shared, "bshd", False, host.entries,
                     kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena, **cost)

@@ -226,3 +226,91 @@ def test_small_causal_squares_run_unmasked(backend, seed):
     k, v = (torch.randn(1, n, 2, 16, generator=gen) for _ in range(2))
     q[:, ::7] *= 30  # large scores on some rows: a padding row that leaked would show
     _check_program(kernel, program, q, k, v, dout, segs)
+
+
+def _brute_cost(lq, st, chosen, item_ns, batch_ns):
+    """Reference price of padding squares ``lq`` (calls ``st``) to the classes ``chosen``."""
+    total, batches = 0.0, set()
+    for m, t in zip(lq.tolist(), st.tolist()):
+        c = min(x for x in chosen if x >= m)
+        total += item_ns(c)
+        batches.add((t, c))
+    return total + batch_ns * len(batches)
+
+
+def test_size_classes_follow_the_price():
+    """The classes chosen cost no more than any other subset of the classes (every subset that
+    holds the largest square, priced by brute force); free batches keep every class, dear ones
+    leave one."""
+    import itertools
+
+    from striped_sp.kernels.schedule import CAUSAL_CLASSES, class_rule
+
+    gen = torch.Generator().manual_seed(12)
+    for trial in range(60):
+        n = int(torch.randint(1, 60, (1,), generator=gen))
+        lq = torch.randint(16, 129, (n,), generator=gen)
+        st = torch.randint(0, int(torch.randint(1, 6, (1,), generator=gen)), (n,), generator=gen)
+        power = 1.0 + float(torch.rand(1, generator=gen))
+        item_ns = lambda c, power=power: c ** (2 * power)  # noqa: E731
+        batch_ns = float(torch.rand(1, generator=gen)) * 10 ** int(torch.randint(2, 7, (1,), generator=gen))
+        chosen = class_rule(item_ns, batch_ns)(lq, st)
+        assert list(chosen) == sorted(chosen) and max(chosen) >= int(lq.max())
+        top = min(c for c in CAUSAL_CLASSES if c >= int(lq.max()))
+        best = min(_brute_cost(lq, st, sub + (top,), item_ns, batch_ns)
+                   for r in range(len(CAUSAL_CLASSES)) for sub in itertools.combinations(
+                       [c for c in CAUSAL_CLASSES if c < top], r))
+        assert _brute_cost(lq, st, chosen, item_ns, batch_ns) <= best * (1 + 1e-12), trial
+    lq, st = torch.tensor([16, 20, 30, 40, 60, 90, 120]), torch.zeros(7, dtype=torch.int64)
+    assert class_rule(lambda c: c * c, 0.0)(lq, st) == CAUSAL_CLASSES
+    assert class_rule(lambda c: c * c, 1e12)(lq, st) == (128,)
+
+
+@pytest.mark.parametrize("batch_ns", [3e3, 1e12])
+def test_merged_size_classes_are_exact(batch_ns, seed):
+    """Squares padded to fewer classes than the table's (the price's choice): one batched call per
+    chosen class, exact forward and gradients."""
+    from striped_sp.kernels.schedule import class_rule
+    from striped_sp.kernels.varlen import ScheduledCall
+
+    kernel = KERNELS["torch"]
+    gen = torch.Generator().manual_seed(seed)
+    docs = torch.randint(16, 128, (30,), generator=gen).tolist() + [16, 32, 64, 96]  # some of a class's size
+    segs = _segments(docs, gap=1)
+    n = int(segs.q_start[-1] + segs.lq[-1]) + 1
+    rule = class_rule(lambda c: c * c, batch_ns)
+    chosen = rule(segs.lq, torch.zeros(len(docs), dtype=torch.int64))
+    assert len(chosen) < len({min(c for c in schedule_mod.CAUSAL_CLASSES if c >= m) for m in docs})
+    arena = Arena()
+    program = ScheduledCall(schedule(segs, NEVER, rule), 1, arena, n, n,
+                            lambda m: kernel.compile_mask(m, "cpu", torch.float32))
+    used = [min(c for c in chosen if c >= m) for m in docs]  # each square in the smallest chosen class
+    assert sorted(p.cq for p in program.batches if p.causal) == sorted(set(used))
+    assert sum(p.packs * p.cq for p in program.batches if p.causal) == sum(used)
+    q, dout = (torch.randn(1, n, 4, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, n, 2, 16, generator=gen) for _ in range(2))
+    q[:, ::5] *= 30
+    _check_program(kernel, program, q, k, v, dout, segs)
+
+
+def test_compiled_plans_price_their_size_classes():
+    """``compile_plan`` hands the schedule the class rule of its heads: at 1 head of 8 the small
+    squares of a packed row fall into fewer classes than at 32 heads of 128 (where every class
+    of the table that holds one is kept)."""
+    from striped_sp.engine.request import RingRequest
+    from striped_sp.plan.ring_plan import compile_plan
+
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(2 * 16, 2 * 128, (60,), generator=gen)  # squares of 16..127 rows per rank at N=2
+    bounds = [0] + torch.cumsum(lens, 0).tolist()
+    seq = -(-bounds[-1] // 4) * 4
+    bounds[-1] = seq
+    host = RingRequest(None, layout="striped", cu_seqlens=bounds).prepare(seq, world_size=2, rank=0)
+
+    def classes(heads, d):
+        plan = compile_plan(host, kernel=KERNELS["torch"], scale=0.1, heads=heads, head_dim=d)
+        return {p.cq for step in plan.programs for prog in step for p in prog.batches if p.causal}
+
+    tiny, big = classes(1, 8), classes(32, 128)
+    table = set(schedule_mod.CAUSAL_CLASSES)
+    assert big <= table and len(big) >= 5 and len(tiny) < len(big), (tiny, big)
