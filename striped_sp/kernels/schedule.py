@@ -17,8 +17,8 @@ by several pieces:
   into tiles of ``TILE`` rows; a tile whose band is wide becomes a left edge, a dense middle and a
   right edge, so that only the edges carry a mask (the batches' builders:
   :mod:`~striped_sp.kernels.batched`).  Small causal squares (16 to 128 rows) are
-  padded at their end to a size class (:data:`CAUSAL_CLASSES`) and called causal with no mask
-  (equal ones back to back as one strided call).  Items of one shape and band share a single
+  padded at their end to a size class (of :data:`CAUSAL_CLASSES`, which ones priced by
+  :func:`class_rule`) and called causal with no mask (equal ones back to back as one strided call).  Items of one shape and band share a single
   broadcast mask (or none); the rest (short documents, odd tiles) go into packs of consecutive
   items with a block-diagonal band mask, one batched call per size class.
 
