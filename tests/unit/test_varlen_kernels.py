@@ -377,9 +377,10 @@ def test_staircase_runs_stay_inside_their_call():
     assert all(torch.equal(a, b) for a, b in zip(same[1:], plain))
 
 
-@pytest.mark.parametrize("layout,docs", [("striped:stripe=4", None), ("striped:stripe=4", [0, 100, 110, 128]),
-                                         ("striped:stripe=2", [0, 90, 128])])
-def test_stripes_on_the_native_path_are_exact_with_staircases_unfolded(monkeypatch, layout, docs):
+@pytest.mark.parametrize("layout,docs,b", [("striped:stripe=4", None, 1), ("striped:stripe=4", None, 2),
+                                           ("striped:stripe=4", [0, 100, 110, 128], 1),
+                                           ("striped:stripe=2", [0, 90, 128], 1)])
+def test_stripes_on_the_native_path_are_exact_with_staircases_unfolded(monkeypatch, layout, docs, b):
     """A whole ring (4 ranks, in process) of stripes on the flash-attn path, where every step's
     query stripes see growing key prefixes and are unfolded: against float64 attention."""
     from reference import reference_attention
@@ -397,8 +398,8 @@ def test_stripes_on_the_native_path_are_exact_with_staircases_unfolded(monkeypat
 
     monkeypatch.setattr(native, "unfold_staircases", spy)
     gen = torch.Generator().manual_seed(21)
-    q, do = (torch.randn(1, 128, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, 128, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    q, do = (torch.randn(b, 128, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, 128, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, True, 8 ** -0.5, docs, None)
     (ref * do).sum().backward()
