@@ -116,3 +116,36 @@ def test_ring_on_one_gpu():
     results = run_cases(1, cases)
     failed = {name: err for name, err in results.items() if err}
     assert not failed, failed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("docs", [None, [0, 300, 340, 512]], ids=["dense", "packed"])
+def test_unfolded_staircases_on_the_cuda_varlen_op(dtype, docs, monkeypatch):
+    """Stripes on the CUDA path: every step's growing key prefixes run as a causal call and a
+    call of window (0, -1) triangles on the device's own varlen op (4 ranks in process), against
+    float64; the rewrite must have run."""
+    from striped_sp.engine import local
+    from striped_sp.kernels import native
+
+    kernel = KERNELS["torch"]
+    if not kernel.native_varlen(torch.device("cuda"), dtype, 64):
+        pytest.skip("no native varlen op for this dtype on this device")
+    unfolded, real = [], native.unfold_staircases
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        unfolded.append(len(out[0]) != len(args[0]))
+        return out
+
+    monkeypatch.setattr(native, "unfold_staircases", spy)
+    torch.manual_seed(1)
+    q, dout = (torch.randn(1, 512, 8, 64, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(1, 512, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, True, SCALE, docs, None)
+    (ref * dout.double().cpu()).sum().backward()
+    args = {"layout": "striped:stripe=16"} if docs is None else {"layout": "striped:stripe=8", "cu_seqlens": docs}
+    sim = local.simulate(q, k, v, 4, dout, kernel=kernel, **args)
+    assert any(unfolded)
+    for got, want in ((sim.out, ref), (sim.dq, qr.grad), (sim.dk, kr.grad), (sim.dv, vr.grad)):
+        assert rel_err(got.detach().float().cpu(), want.float()) < TOL[dtype]
