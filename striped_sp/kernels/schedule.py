@@ -18,9 +18,10 @@ by several pieces:
   right edge, so that only the edges carry a mask (the batches' builders:
   :mod:`~striped_sp.kernels.batched`).  Small causal squares (16 to 128 rows) are
   padded at their end to a size class (of :data:`CAUSAL_CLASSES`, which ones priced by
-  :func:`class_rule`) and called causal with no mask (equal ones back to back as one strided call).  Items of one shape and band share a single
-  broadcast mask (or none); the rest (short documents, odd tiles) go into packs of consecutive
-  items with a block-diagonal band mask, one batched call per size class.
+  :func:`class_rule`) and called causal with no mask (equal ones back to back as one strided
+  call).  Items of one shape and band share a single broadcast mask (or none); the rest (short
+  documents, odd tiles) go into packs of consecutive items with a block-diagonal band mask, one
+  batched call per size class.
 
 Slots that no item owns gather row 0 and are dropped from the results (padding rows see one key
 or only keys of padding, and get a zero output gradient, so their gradients are exact zeros: the
