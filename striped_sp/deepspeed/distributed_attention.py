@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..plan.layouts import ALGOS, positions
+from ..plan.layouts import ALGOS
 from ..engine.request import RingRequest, window_of
+from .packed import batch_bounds, device_positions
 
 __all__ = ["DistributedAttention"]
 
@@ -145,7 +146,7 @@ class DistributedAttention(torch.nn.Module):
         group = self.spg if self.spg is not None else dist.group.WORLD
         n = dist.get_world_size(group)
         if n > 1 and emb.size(seq_dim) == local_len * n:
-            idx = positions(local_len * n, n, dist.get_rank(group), self.layout, cu_seqlens).to(emb.device)
+            idx = device_positions(local_len * n, n, dist.get_rank(group), self.layout, cu_seqlens, emb.device)
             emb = emb.index_select(seq_dim, idx)
         elif emb.size(seq_dim) != local_len:
             raise ValueError(
@@ -162,7 +163,7 @@ class DistributedAttention(torch.nn.Module):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4-dim tensor, got shape {tuple(getattr(t, 'shape', ()))}")
         seq_dim = 1 - batch_dim_idx
-        cu_seqlens = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
+        cu_seqlens = batch_bounds(kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q")))  # read once per batch
         window = window_of(kwargs.get("window_size"), kwargs.get("sliding_window"), self.causal)
         request = self._module_request()
         if window is not None and window != self.window_size:

@@ -31,9 +31,9 @@ import torch
 
 from ..engine.agreement import CHECK_RANKS_ENV, agreeing, per_call_checks_enabled
 from ..plan.layouts import positions
-from ..plan.masks import as_bounds
 from ..plan.packing import document_positions
 from ..engine.request import RingRequest, window_of
+from .packed import batch_bounds
 
 __all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "hf_window", "register_hf_attention"]
 
@@ -164,26 +164,9 @@ def _check_positions(position_ids, local_len: int, settings: _Settings, cu_seqle
 
 def _boundaries(kwargs: dict):
     """The global document boundaries from ``cu_seq_lens_q/k`` (``None`` without them), as a tuple
-    of ints: compared and read once per batch (the same tensors reach every layer)."""
-    global _BATCH
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None and cu_k is None:
-        return None
-    versions = tuple(getattr(t, "_version", None) for t in (cu_q, cu_k))
-    if _BATCH is not None and _BATCH[0] is cu_q and _BATCH[1] is cu_k and _BATCH[2] == versions:
-        return _BATCH[3]
-    if cu_q is not None and cu_k is not None:
-        same = (torch.equal(cu_q, cu_k) if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
-                else list(cu_q) == list(cu_k))
-        if not same:
-            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: causal self-attention over packed documents "
-                             "needs one set of boundaries (of the global row)")
-    bounds = as_bounds(cu_q if cu_k is None else cu_k)
-    _BATCH = (cu_q, cu_k, versions, bounds)  # holds the tensors: their ids cannot be reused meanwhile
-    return bounds
-
-
-_BATCH = None  # (cu_seq_lens_q, cu_seq_lens_k, their versions, bounds) of the batch seen last
+    of ints: compared and read once per batch (the same tensors reach every layer:
+    :func:`~striped_sp.deepspeed.packed.batch_bounds`)."""
+    return batch_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
 
 
 def hf_window(sliding_window, causal: bool = True):

@@ -19,14 +19,17 @@ to a multiple of ``2N`` for ``zigzag``), with labels shifted inside each documen
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import torch
 
-from ..plan.masks import check_cu_seqlens
+from ..plan.layouts import positions
+from ..plan.masks import as_bounds, check_cu_seqlens
 from ..plan.packing import PaddedDocuments, pad_documents
 
-__all__ = ["RowDocuments", "find_documents", "pack_rows", "shift_within_documents", "CU_KEYS", "MAX_KEYS"]
+__all__ = ["RowDocuments", "find_documents", "pack_rows", "shift_within_documents", "batch_bounds", "device_positions",
+           "CU_KEYS", "MAX_KEYS"]
 
 #: Hugging Face's flash-attention kwargs for packed rows (``DataCollatorWithFlattening``)
 CU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
@@ -217,3 +220,46 @@ def pack_rows(batch: Mapping[str, Any], docs: RowDocuments, world_size: int, lay
     longest = int((padded.cu_seqlens[1:] - padded.cu_seqlens[:-1]).max())
     out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     return out, padded
+
+
+# -- per batch, not per layer ----------------------------------------------------------------------
+
+#: ``(cu_seq_lens_q, cu_seq_lens_k, their versions, bounds)`` of the batch seen last.  Module-level
+#: because every attention layer of a forward receives the same boundary tensors: they are read on
+#: the host (a device synchronisation on CUDA) once per batch, not once per layer.  Holding the
+#: tensors keeps their ids from being reused by another batch's while the entry lives.
+_LAST_BOUNDS = None
+
+
+def batch_bounds(cu_q, cu_k=None) -> tuple[int, ...] | None:
+    """The global document boundaries of ``cu_q`` / ``cu_k`` (``cu_seq_lens_q`` / ``_k``, or a
+    layer's ``cu_seqlens``; ``None`` without either) as a tuple of ints, read on the host once per
+    batch: a call with the same tensor objects, unmodified since (their ``_version``), returns the
+    last result without reading them again.  ``ValueError`` when both are given and differ."""
+    global _LAST_BOUNDS
+    if cu_q is None and cu_k is None:
+        return None
+    versions = tuple(getattr(t, "_version", None) for t in (cu_q, cu_k))
+    last = _LAST_BOUNDS
+    if last is not None and last[0] is cu_q and last[1] is cu_k and last[2] == versions:
+        return last[3]
+    if cu_q is not None and cu_k is not None:
+        same = (torch.equal(cu_q, cu_k) if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+                else list(cu_q) == list(cu_k))
+        if not same:
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: causal self-attention over packed documents "
+                             "needs one set of boundaries (of the global row)")
+    bounds = as_bounds(cu_q if cu_k is None else cu_k)
+    _LAST_BOUNDS = (cu_q, cu_k, versions, bounds)
+    return bounds
+
+
+#: the rotary index of the last few (row, rank, layout, documents, device): module-level because
+#: every layer's rotary table of a batch gathers the same positions, which are built and copied to
+#: the device once per batch instead of once per layer (a blocking copy on CUDA); a few entries
+#: cover the layer kinds of one model
+@functools.lru_cache(maxsize=8)
+def device_positions(seq_len: int, world_size: int, rank: int, layout: str, bounds: tuple | None,
+                     device: torch.device) -> torch.Tensor:
+    """:func:`striped_sp.positions` of ``rank`` on ``device`` (int64), cached per batch."""
+    return positions(seq_len, world_size, rank, layout, bounds).to(device)

@@ -20,6 +20,7 @@ What is checked when (every ``ValueError`` names the value and the rule):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import numbers
 
@@ -42,6 +43,11 @@ from .ulysses import check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_h
 __all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of", "prepare_plans"]
 
 _UNSET = object()
+#: the boundary tensors read last, with their versions and bounds: module-level because every layer
+#: of a forward passes the batch's same ``cu_seqlens`` tensor, which is read on the host (on CUDA a
+#: synchronisation) once per batch instead of once per layer; holding the tensors keeps their ids
+#: from being reused by another batch's meanwhile; a few entries cover the requests built ahead
+_READ_BOUNDS: collections.deque = collections.deque(maxlen=4)
 _DERIVED = 8  # derived requests (documents, windows) kept per request: a few batches' worth
 
 
@@ -100,7 +106,7 @@ class RingRequest:
             raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
         self.backend = backend
         self.window = window_of(window_size, sliding_window, self.causal)
-        self.bounds = None if cu_seqlens is None else as_bounds(cu_seqlens)
+        self.bounds = None if cu_seqlens is None else batch_bounds(cu_seqlens)
         self.deterministic = bool(deterministic)
         if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
             raise ValueError(f"ulysses_size={ulysses_size!r} must be a positive int")
@@ -117,7 +123,7 @@ class RingRequest:
     def derive(self, *, cu_seqlens=_UNSET, window_size=_UNSET) -> "RingRequest":
         """This request with other document boundaries and/or another window (``None``: none);
         kept in a small cache, so a batch's documents are checked once for all its layers."""
-        key = (None if cu_seqlens is _UNSET else ("cu", None if cu_seqlens is None else as_bounds(cu_seqlens)),
+        key = (None if cu_seqlens is _UNSET else ("cu", None if cu_seqlens is None else batch_bounds(cu_seqlens)),
                None if window_size is _UNSET else ("w", window_of(window_size, None, self.causal)))
         found = self._derived.get(key)
         if found is not None:
@@ -311,6 +317,20 @@ def _equal_head_dims(q, k, v, kernel: Kernel):
 def _value_columns(out: torch.Tensor, value_dim: int) -> torch.Tensor:
     """``out`` without the columns of a padded v (contiguous, as the ring returns it)."""
     return out if out.size(-1) == value_dim else out[..., :value_dim].contiguous()
+
+
+def batch_bounds(cu_seqlens) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of ints (:func:`~striped_sp.plan.masks.as_bounds`); a tensor is read
+    on the host once per batch: the same tensor object, unmodified since (its ``_version``), is
+    not read again by the next layers."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return as_bounds(cu_seqlens)
+    for seen, version, bounds in _READ_BOUNDS:
+        if seen is cu_seqlens and seen._version == version:
+            return bounds
+    bounds = as_bounds(cu_seqlens)
+    _READ_BOUNDS.append((cu_seqlens, cu_seqlens._version, bounds))
+    return bounds
 
 
 def ring_attention(

@@ -18,6 +18,7 @@ checks that it is exactly that.  The bounds travel with the sliced mask tensor (
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Dict, Optional
 
@@ -191,6 +192,9 @@ def attached(mask: torch.Tensor) -> Optional[tuple[tuple[int, ...], ...]]:
     return found if found is not None else _ATTACHED.get(_storage_key(mask))
 
 
+#: module-level because every attention layer of a forward flattens the same rows: a loop over the
+#: documents once per batch (the next layers hash the tuple and find it), not once per layer
+@functools.lru_cache(maxsize=8)
 def flatten_rows(documents: tuple[tuple[int, ...], ...], batch: int) -> tuple[int, ...]:
     """Bounds of ``batch`` rows laid end to end (rows that share ``documents[0]`` when only one
     is given).  Under ``striped``, a ``[b, s/N]`` shard reshaped to ``[1, b*s/N]`` is exactly the

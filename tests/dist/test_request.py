@@ -164,10 +164,10 @@ def test_window_conventions_are_one():
     assert hf_window(5) == (4, 0)
 
 
-def test_hf_boundaries_read_once_per_batch():
+def test_hf_boundaries_read_once_per_batch(monkeypatch):
     """The same cu_seq_lens tensors (every layer of one batch) are compared and read once; a new
     batch, or the same tensor changed in place, is read again."""
-    from striped_sp.deepspeed import hf
+    from striped_sp.deepspeed import hf, packed
 
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
@@ -175,18 +175,54 @@ def test_hf_boundaries_read_once_per_batch():
     cu[1] = 6  # in place: its version changes
     assert hf._boundaries(kwargs) == (0, 6, 12)
     reads = []
-    real = hf.as_bounds
-    hf.as_bounds = lambda x: reads.append(1) or real(x)
-    try:
-        for _ in range(4):
-            assert hf._boundaries(kwargs) == (0, 6, 12)
-        assert reads == [], "the batch's boundaries were read again for another layer"
-        other = {"cu_seq_lens_q": cu.clone(), "cu_seq_lens_k": cu.clone()}
-        assert hf._boundaries(other) == (0, 6, 12) and reads == [1]
-        with pytest.raises(ValueError, match="differ"):
-            hf._boundaries({"cu_seq_lens_q": cu, "cu_seq_lens_k": torch.tensor([0, 4, 12])})
-    finally:
-        hf.as_bounds = real
+    real = packed.as_bounds
+    monkeypatch.setattr(packed, "as_bounds", lambda x: reads.append(1) or real(x))
+    for _ in range(4):
+        assert hf._boundaries(kwargs) == (0, 6, 12)
+    assert reads == [], "the batch's boundaries were read again for another layer"
+    other = {"cu_seq_lens_q": cu.clone(), "cu_seq_lens_k": cu.clone()}
+    assert hf._boundaries(other) == (0, 6, 12) and reads == [1]
+    with pytest.raises(ValueError, match="differ"):
+        hf._boundaries({"cu_seq_lens_q": cu, "cu_seq_lens_k": torch.tensor([0, 4, 12])})
+
+
+def test_distributed_attention_reads_a_batch_once_for_all_layers(monkeypatch):
+    """DeepSpeed's DistributedAttention, one module per layer: the batch's cu_seqlens tensor is read
+    on the host, and its rotary positions built and moved to the device, once per batch (on CUDA each
+    read is a synchronisation and each move a blocking copy), not once per layer; the rotary rows
+    are the layout's positions of this rank."""
+    from striped_sp.deepspeed import distributed_attention as da
+    from striped_sp.deepspeed import packed
+    from striped_sp.engine.request import RingRequest
+
+    n, rank, local = 2, 1, 6
+    monkeypatch.setattr(da.dist, "get_world_size", lambda group=None: n)
+    monkeypatch.setattr(da.dist, "get_rank", lambda group=None: rank)
+    calls = []  # each layer's (request bounds, rotated query) instead of the ring
+    monkeypatch.setattr(RingRequest, "__call__", lambda self, q, k, v: calls.append((self.bounds, q)) or q)
+    reads, built = [], []
+    real_bounds, real_positions = packed.as_bounds, packed.positions
+    monkeypatch.setattr(packed, "as_bounds", lambda x: reads.append(1) or real_bounds(x))
+    monkeypatch.setattr(packed, "positions", lambda *a: built.append(1) or real_positions(*a))
+    packed.device_positions.cache_clear()
+    layers = [da.DistributedAttention(None, None, layout="zigzag") for _ in range(3)]
+    gen = torch.Generator().manual_seed(SEED)
+    q, k, v = (torch.randn(1, local, 2, 4, generator=gen) for _ in range(3))
+    angles = torch.arange(n * local, dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 1, 1, 4)
+    rotary = (angles.cos(), angles.sin())  # [S, 1, 1, d]: position p's table is cos(p), sin(p)
+    for batch, cut in enumerate((4, 8)):  # zigzag: documents of multiples of 2N
+        cu = torch.tensor([0, cut, n * local], dtype=torch.int32)  # a new batch: a new tensor
+        for layer in layers:
+            layer(q, k, v, 0, rotary, cu_seqlens=cu)
+        assert reads == [1] * (batch + 1), f"cu_seqlens read {len(reads)} times in {batch + 1} batches of 3 layers"
+        assert built == [1] * (batch + 1), f"rotary positions built {len(built)} times in {batch + 1} batches"
+    assert len(calls) == 6
+    for i, (bounds, got) in enumerate(calls):
+        cut = (4, 8)[i // 3]
+        assert bounds == (0, cut, n * local)
+        pos = striped_sp.positions(n * local, n, rank, "zigzag", [0, cut, n * local]).float().view(1, -1, 1, 1)
+        half = torch.cat([-q[..., 2:], q[..., :2]], -1)
+        torch.testing.assert_close(got, q * pos.cos() + half * pos.sin())  # rotate-half on this rank's positions
 
 
 # -- layout facts the adapters ask, and the one algo table ---------------------------------------
@@ -239,3 +275,21 @@ def test_kernel_names_still_importable():
 
     assert list(KERNELS) == ["torch", "torch_cudnn", "flash_attn", "math"]
     assert BACKENDS == ("auto", *KERNELS)
+
+
+def test_core_reads_a_cu_seqlens_tensor_once_per_batch(monkeypatch):
+    """ring_attention / RingRequest given the batch's cu_seqlens tensor in every layer: it is read on
+    the host (a synchronisation on CUDA) once; a tensor changed in place or a new batch's is read
+    again, and the bounds are its values."""
+    reads = []
+    real = request_mod.as_bounds
+    monkeypatch.setattr(request_mod, "as_bounds", lambda x: reads.append(1) or real(x))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    base = RingRequest(None)
+    for _ in range(4):  # the layers of one batch: functional calls build a request, modules derive one
+        assert RingRequest(None, cu_seqlens=cu).bounds == (0, 5, 12)
+        assert base.derive(cu_seqlens=cu).bounds == (0, 5, 12)
+    assert reads == [1], f"read {len(reads)} times for one batch"
+    cu[1] = 6
+    assert base.derive(cu_seqlens=cu).bounds == (0, 6, 12) and reads == [1, 1]
+    assert RingRequest(None, cu_seqlens=torch.tensor([0, 7, 12])).bounds == (0, 7, 12) and len(reads) == 3

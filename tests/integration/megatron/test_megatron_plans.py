@@ -35,3 +35,18 @@ def test_thd_slicing_builds_the_plan_the_layers_use(algo, padded):
     n_local = local["tokens"].size(1)
     host_plan_for(request.layout, request._mask(n_local, cp), True, cp, rank, n_local)
     assert PLANS.builds == 1  # found, not built again
+
+
+def test_reset_mask_rows_flattened_once_per_batch():
+    """The [b, s] reset-mask path: every layer flattens the batch's rows into one packed row; the
+    documents are looped over once per batch, later layers find the result (and it is exact)."""
+    from striped_sp.megatron import packed
+
+    rows = ((0, 3, 8), (0, 8), (0, 5, 6, 8))
+    want = (0, 3, 8, 16, 21, 22, 24)
+    packed.flatten_rows.cache_clear()
+    assert packed.flatten_rows(rows, 3) == want
+    assert packed.flatten_rows(((0, 3, 8),), 2) == (0, 3, 8, 11, 16)  # one row's documents for every row
+    for _ in range(4):  # the next layers of the batch
+        assert packed.flatten_rows(tuple(tuple(r) for r in rows), 3) == want
+    assert packed.flatten_rows.cache_info().misses == 2, "the rows were flattened again for another layer"
