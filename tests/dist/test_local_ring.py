@@ -50,6 +50,13 @@ CASES = [  # (N, tokens per rank, request arguments; "docs" = random documents)
     (32, 4, dict(layout="striped:stripe=auto", docs=True, window_size=(9, 0))),
     (16, 6, dict(layout="striped:stripe=auto")),
     (16, 8, dict(layout="striped:stripe=auto,place=split", docs=True, ulysses_size=4)),
+    (16, 8, dict(layout="zigzag", docs="padded")),
+    (16, 8, dict(layout="zigzag", docs="padded", window_size=(40, 0))),
+    (32, 4, dict(layout="zigzag", docs="padded", ulysses_size=2)),
+    (16, 6, dict(layout="zigzag", window_size=(13, 0))),
+    (32, 4, dict(layout="contiguous", window_size=(9, 0))),
+    (16, 6, dict(layout="zigzag", causal=False)),
+    (16, 6, dict(layout="contiguous", causal=False)),
 ]
 
 
@@ -59,10 +66,12 @@ def test_local_ring_is_exact_at_large_n(n, per_rank, args):
     gen = torch.Generator().manual_seed(seed_for(f"local-{n}-{args}"))
     seq = n * per_rank
     args = dict(args)
-    if args.pop("docs", False):
+    docs = args.pop("docs", False)
+    if docs == "padded":  # zigzag: every document a multiple of 2N (as pad_documents leaves them)
+        unit = 2 * n
+        args["cu_seqlens"] = [0, *sorted(set((torch.randint(1, seq // unit, (3,), generator=gen) * unit).tolist())), seq]
+    elif docs:
         args["cu_seqlens"] = _docs(seq, gen)
-    if args["layout"] == "zigzag" and "cu_seqlens" in args:
-        pytest.skip("zigzag documents need padding")
     h, kvh, d = 8, 2, 8
     q, do = (torch.randn(1, seq, h, d, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(1, seq, kvh, d, generator=gen, dtype=torch.float64) for _ in range(2))
