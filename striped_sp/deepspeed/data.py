@@ -147,7 +147,9 @@ def shard_batch(
         out, padded = pack_rows(batch, docs, world_size, layout, ignore_index)
         bounds = padded.cu_seqlens
         seq_len = padded.seq_len
-        if world_size > 1:  # the batch's plan, ready for its first layer
+        # the batch's plan, ready for its first layer; not in a loader worker process, whose plan
+        # cache the model never sees (the first layer builds it there instead of twice)
+        if world_size > 1 and torch.utils.data.get_worker_info() is None:
             prepare_plans(seq_len, world_size=world_size, rank=rank, layout=layout, cu_seqlens=bounds)
     else:
         out = _plain_rows(batch, docs.valid, world_size, layout, ignore_index)

@@ -144,3 +144,14 @@ def test_shard_batch_builds_the_plan_the_attention_layers_use(layout):
     local = part["input_ids"].size(1)
     host_plan_for(request.layout, request._mask(local, n), True, n, rank, local)
     assert PLANS.builds == 1  # found, not built again
+
+
+def test_shard_batch_in_a_loader_worker_builds_no_plan(monkeypatch):
+    """In a DataLoader worker process (num_workers > 0) a plan would land in that process's cache,
+    which the model never sees: none is built there (the first layer builds it, once)."""
+    from striped_sp.engine.plans import PLANS
+
+    PLANS.clear()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    part = shard_batch(_flattened(), 2, 1, "striped")
+    assert PLANS.builds == 0 and part["input_ids"].size(1) == 17
