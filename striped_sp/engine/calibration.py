@@ -9,17 +9,16 @@ adopts the same :class:`~striped_sp.plan.cost.CostModel` (:func:`~striped_sp.pla
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from ..kernels import resolve_kernel
 from ..plan import search
-from ..plan.cost import CostModel, calibrate, model_for_kernel, use_model
+from ..plan.cost import CostModel, calibrate, fitted_model, use_model
 
 __all__ = ["calibrate_cost_model"]
 
+#: the numbers a calibration fits, broadcast from the first rank (a constant)
 _FITTED = ("ns_per_entry", "causal_waste", "call_ns")
 
 
@@ -27,7 +26,9 @@ def calibrate_cost_model(group=None, backend: str = "auto", device=None, dtype=N
     """Calibrate the cost model of ``backend``'s kernel on this device on the first rank of ``group``
     (``None``: the default group, or this process alone without ``torch.distributed``), hand it to
     every rank and adopt it.  Collective: every rank of the group calls it, before its first batch
-    (``ValueError`` after one: that batch was placed with another model).  Returns the model."""
+    (``ValueError`` after one: that batch was placed with another model).  Returns the model, which
+    then prices ``backend``'s kernel on this device type (:func:`~striped_sp.plan.cost.model_for`):
+    the ``auto`` placements and every plan compiled for that kernel there."""
     if search.placements_made():
         raise ValueError("calibrate_cost_model() after a batch was placed: call it on every rank before the "
                          "first batch, or the ranks' earlier and later batches would use different models")
@@ -43,9 +44,8 @@ def calibrate_cost_model(group=None, backend: str = "auto", device=None, dtype=N
         comm = values.to(device) if dist.get_backend(group) == "nccl" else values
         dist.broadcast(comm, src=first, group=group)
         values = comm.cpu()
-    if not mine:  # the first rank's fit on this rank's table model (the same table on every rank)
-        template = model_for_kernel(kernel.name, device.type)
-        model = dataclasses.replace(template, name=f"{kernel.name}@{device.type}", measured=True)
-    model = dataclasses.replace(model, **{f: float(v) for f, v in zip(_FITTED, values.tolist())})
+    # every rank (the first too): the first rank's fit on the table's model of the kernel (the same
+    # table on every rank), so every rank adopts an equal model
+    model = fitted_model(kernel.name, device.type, **{f: float(v) for f, v in zip(_FITTED, values.tolist())})
     use_model(model)
     return model

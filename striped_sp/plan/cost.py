@@ -3,14 +3,16 @@ and for a plan's predicted cost.
 
 A model predicts one call's forward time per head from its shape (:class:`CostModel`), and a whole
 ring's forward+backward time from its steps (:meth:`CostModel.ring_ns`: compute, the transfer of
-the rows the ring carries, hidden behind compute where it is shorter, and a fixed cost per step);
-the table
-holds PyTorch's CPU flash op (measured) and a tile model for flash kernels on GPUs (a prediction,
-labelled as such wherever it decides).  :func:`default_model` is the model of the kernel a process
-will run: the flash tile model where CUDA is available, else the CPU one; every rank of a job gets
-the same answer, so placements decided from it agree.  :func:`calibrate` fits a measured model on
-the running device from a few timed calls (opt-in: timings differ slightly between ranks, so a
-calibrated model is measured on one rank and handed to every rank:
+the rows the ring carries, hidden behind compute where it is shorter, and a fixed cost per step).
+The table (:data:`COST_MODELS`) holds PyTorch's CPU flash op and the matmul reference on the CPU
+(measured) and a tile model for flash kernels on GPUs (a prediction, labelled as such wherever it
+decides); :func:`model_for_kernel` says which prices each kernel on each device type.
+:func:`model_for` is the model a kernel runs by: the one adopted with :func:`use_model` where it was
+calibrated for that kernel on that device type, else the table's; :func:`default_model` is that of
+``backend="auto"`` on the process's device type (every rank of a job gets the same answer, so
+placements decided from it agree).  :func:`calibrate` fits a measured model on the running device
+from a few timed calls (opt-in: timings differ slightly between ranks, so a calibrated model is
+measured on one rank and handed to every rank:
 :func:`striped_sp.engine.calibration.calibrate_cost_model` does both and adopts it, :func:`use_model`).
 """
 
@@ -21,7 +23,8 @@ import time
 
 import torch
 
-__all__ = ["CostModel", "COST_MODELS", "default_model", "model_named", "model_for_kernel", "calibrate", "use_model"]
+__all__ = ["CostModel", "COST_MODELS", "default_model", "model_named", "model_for_kernel", "model_for", "calibrate",
+           "fitted_model", "use_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +32,9 @@ class CostModel:
     """Predicted time of one attention kernel call (forward, per head), in nanoseconds:
     ``ns_per_entry * entries * (1 + small_rows / rows) + call_ns``, where a causal call of ``m``
     rows computes ``m * min(m, m / 2 + causal_waste)`` entries (the kernel skips masked keys only
-    in tiles, wasting about ``causal_waste`` entries per row on the diagonal)."""
+    in tiles, wasting about ``causal_waste`` entries per row on the diagonal; ``inf``: the whole
+    square).  Frozen and compared on every field: a model is part of the cache keys of the choices
+    made with it (:mod:`striped_sp.plan.search`, the plan cache)."""
 
     name: str
     ns_per_entry: float
@@ -53,6 +58,15 @@ class CostModel:
     #: rows' fills): what splitting squares into one more size class costs beside their compute
     #: (measured here: 100-250 us for both passes at 1 head of 8, 7 batches against 1)
     host_ns_per_batch: float = 75_000.0
+    #: the kernel (its ``name``) and device type this model was measured for, ``""``: none in
+    #: particular (a prediction); a model adopted with :func:`use_model` prices that kernel there only
+    kernel: str = ""
+    device_type: str = ""
+
+    @property
+    def label(self) -> str:
+        """The name, with ``" (a prediction)"`` where the model was not measured."""
+        return self.name + ("" if self.measured else " (a prediction)")
 
     def call(self, rows: float, keys: float, causal: bool) -> float:
         if rows <= 0 or keys <= 0:
@@ -114,15 +128,35 @@ class CostModel:
         return float(torch.where(live, ns, torch.zeros_like(ns)).sum())
 
 
+#: the table (read only): models by name, each measured on one kernel and device type or a prediction
 COST_MODELS = {
     # measured here: PyTorch's CPU flash op, fp32, head_dim 64, one thread (docs/tuning.md, "Whole-document placement")
     # the backward factor and the transfer fitted on 2 gloo ranks, 4096 tokens each, fwd+bwd of 36
     # plans (docs/tuning.md, "Choosing a plan"): 1 us per K/V row and head, not hidden by compute
     "cpu": CostModel("cpu", 3.9, 60.0, 256.0, 20_000.0, True, backward_factor=3.0, transfer_ns_per_row=1000.0,
-                     step_ns=50_000.0, overlaps_transfer=False),
+                     step_ns=50_000.0, overlaps_transfer=False, kernel="torch", device_type="cpu"),
+    # measured here: the matmul reference (backend="math"), fp32, head_dim 64, one thread of this 2-core
+    # CPU, forward of 32-1024 rows, fastest of 15: 4.6-5.4 ns per entry from 512 rows, 40 us for 32
+    # rows (a fixed cost); a causal call computes its whole square and then masks it (1.3-1.8x a full
+    # call of its shape: causal_waste inf); backward 1.3-1.9x forward.  Ring terms: the gloo CPU's above
+    "math_cpu": CostModel("math_cpu", 5.0, 0.0, float("inf"), 35_000.0, True, backward_factor=1.9,
+                          transfer_ns_per_row=1000.0, step_ns=50_000.0, overlaps_transfer=False, kernel="math",
+                          device_type="cpu"),
     # a prediction, not a measurement: flash-attn 2/3 style tiles of 128 rows on a GPU; NVLink-class link
     "flash_attn": CostModel("flash_attn", 0.01, 128.0, 64.0, 5_000.0, False, backward_factor=2.5,
                             transfer_ns_per_row=1.0, step_ns=20_000.0),
+}
+
+#: which table model prices each kernel (``"auto"``: what ``backend="auto"`` runs) on each device
+#: type (read only); pairs not listed fall back by device type (:func:`model_for_kernel`)
+_KERNEL_MODELS = {
+    ("auto", "cpu"): "cpu",  # auto on the CPU: PyTorch's op for every float dtype
+    ("torch", "cpu"): "cpu",
+    ("math", "cpu"): "math_cpu",
+    ("auto", "cuda"): "flash_attn",  # flash-attn, else PyTorch's fused ops: tiles either way
+    ("flash_attn", "cuda"): "flash_attn",
+    ("torch", "cuda"): "flash_attn",  # PyTorch's CUDA flash / memory-efficient ops: tiles
+    ("torch_cudnn", "cuda"): "flash_attn",
 }
 
 
@@ -138,30 +172,66 @@ def model_named(model: "CostModel | str | None") -> CostModel:
 
 
 def model_for_kernel(kernel_name: str, device_type: str) -> CostModel:
-    """The table's model for a kernel on a device type: the CPU op's on ``cpu``, the flash tile
-    model (a prediction) for every fused kernel on a GPU."""
-    return COST_MODELS["cpu"] if device_type == "cpu" else COST_MODELS["flash_attn"]
+    """The table's model for a kernel (its ``name``, or ``"auto"``) on a device type: PyTorch's CPU
+    op and the matmul reference each by their own measured model on ``cpu``, the flash tile model (a
+    prediction) for the fused kernels on ``cuda``.  Not measured, so predictions: the matmul
+    reference on a GPU (kept for checking, not planned for: calibrate it to plan by its times) and
+    every kernel on another device type (``meta``: dry runs of the CUDA path) take the flash tile
+    model; a kernel the table does not know on ``cpu`` takes the CPU op's, labelled a prediction."""
+    key = _KERNEL_MODELS.get((kernel_name, device_type))
+    if key is not None:
+        return COST_MODELS[key]
+    if device_type == "cpu":
+        return dataclasses.replace(COST_MODELS["cpu"], measured=False, kernel="", device_type="")
+    return COST_MODELS["flash_attn"]
 
 
 #: the model every rank adopted with :func:`use_model` (a calibration, measured once and handed to
-#: all ranks: :func:`striped_sp.engine.calibration.calibrate_cost_model`); ``None``: the table's
+#: all ranks: :func:`striped_sp.engine.calibration.calibrate_cost_model`); ``None``: the table's.
+#: Process state because every ``auto`` choice and plan compilation must see the one adopted model.
 _ADOPTED: list = [None]
 
 
 def use_model(model: CostModel | None) -> None:
-    """Make ``model`` the process's :func:`default_model` (``None``: back to the table's).  Every rank
-    must adopt the same model before its first batch, or ranks would place documents differently."""
+    """Adopt ``model`` for the kernel and device type it was measured for (:attr:`CostModel.kernel`,
+    :attr:`CostModel.device_type`; ``None``: back to the table's): :func:`model_for` and
+    :func:`default_model` return it there.  Every rank must adopt the same model before its first
+    batch, or ranks would place documents differently."""
     if model is not None and not isinstance(model, CostModel):
         raise ValueError(f"use_model({model!r}): expected a CostModel or None")
+    if model is not None and not (model.kernel and model.device_type):
+        raise ValueError(f"use_model(): model {model.name!r} names no kernel and device type (CostModel.kernel, "
+                         "device_type) that it was measured for: it would price nothing (see calibrate())")
     _ADOPTED[0] = model
 
 
+def model_for(kernel_name: str, device_type: str) -> CostModel:
+    """The model ``kernel_name`` runs by on ``device_type``: the adopted one (:func:`use_model`)
+    where it was measured for that kernel on that device type, else the table's
+    (:func:`model_for_kernel`).  ``kernel_name`` ``"auto"`` (the placement of ``backend="auto"``,
+    which resolves its kernel per dtype): the adopted one where it was measured on that device type,
+    whatever kernel ``calibrate_cost_model`` resolved."""
+    adopted = _ADOPTED[0]
+    if adopted is not None and adopted.device_type == device_type and kernel_name in ("auto", adopted.kernel):
+        return adopted
+    return model_for_kernel(kernel_name, device_type)
+
+
 def default_model() -> CostModel:
-    """The model of the kernel this process runs by default (``backend="auto"``): the adopted one
-    (:func:`use_model`), else the table's for the device."""
-    if _ADOPTED[0] is not None:
-        return _ADOPTED[0]
-    return model_for_kernel("auto", "cuda" if torch.cuda.is_available() else "cpu")
+    """The model of the kernel this process runs by default (``backend="auto"``) on its device type
+    (``cuda`` where available, else ``cpu``): :func:`model_for`."""
+    return model_for("auto", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fitted_model(kernel_name: str, device_type: str, ns_per_entry: float, causal_waste: float,
+                 call_ns: float) -> CostModel:
+    """The measured model :func:`calibrate` returns for a kernel on a device type from its fitted
+    numbers (also how ranks that did not time rebuild the first rank's model): the table's model of
+    that kernel and device type (:func:`model_for_kernel`) for the rest, named
+    ``"<kernel>@<device type>"``."""
+    return dataclasses.replace(model_for_kernel(kernel_name, device_type), name=f"{kernel_name}@{device_type}",
+                               ns_per_entry=ns_per_entry, causal_waste=causal_waste, call_ns=call_ns, measured=True,
+                               kernel=kernel_name, device_type=device_type)
 
 
 def calibrate(kernel, device, dtype=torch.float32, head_dim: int = 64, heads: int = 1, sizes=(64, 256, 1024),
@@ -169,9 +239,12 @@ def calibrate(kernel, device, dtype=torch.float32, head_dim: int = 64, heads: in
     """A measured :class:`CostModel` for ``kernel`` on ``device``: full and causal calls of
     ``sizes`` rows timed (median of ``reps``, forward), then ``ns_per_entry`` and ``call_ns`` fitted
     by least squares on the full calls, ``causal_waste`` from the causal ones; ``small_rows`` and the
-    ring terms (backward factor, transfer, step) are kept from the table's model of that device type."""
+    ring terms (backward factor, transfer, step) are kept from the table's model of that kernel and
+    device type (:func:`fitted_model`; ``causal_waste`` ``inf`` where every causal call cost its
+    whole square).  Adopt it with :func:`use_model`: it then prices that kernel on that device type."""
     device = torch.device(device)
-    base = model_for_kernel(getattr(kernel, "name", ""), device.type)
+    name = getattr(kernel, "name", "") or "kernel"
+    base = model_for_kernel(name, device.type)
 
     def timed(m: int, causal: bool) -> float:
         q = torch.randn(1, m, heads, head_dim, device=device, dtype=dtype)
@@ -196,5 +269,5 @@ def calibrate(kernel, device, dtype=torch.float32, head_dim: int = 64, heads: in
     for m in sizes:
         entries = (timed(m, True) - call_ns) / (slope * (1 + base.small_rows / m)) / m  # entries per row
         wastes.append(min(max(entries - m / 2, 0.0), m / 2))
-    return dataclasses.replace(base, name=f"{getattr(kernel, 'name', 'kernel')}@{device.type}", ns_per_entry=slope,
-                               causal_waste=sum(wastes) / len(wastes), call_ns=call_ns, measured=True)
+    whole = all(w >= m / 2 for w, m in zip(wastes, sizes))  # masks after computing the square (math)
+    return fitted_model(name, device.type, slope, float("inf") if whole else sum(wastes) / len(wastes), call_ns)

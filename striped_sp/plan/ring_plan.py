@@ -16,9 +16,10 @@ does no planning, no host<->device copy and no synchronisation:
 * ``fmt``: the tensor format of the forward (the kernel's own for dense plans, ``"bshd"`` masked);
   ``aligned``: the striped strict block in its aligned form;
 * ``entries[t]``: visible score entries of step ``t`` per batch row and head (the work);
-  ``predicted_ms[t]``: its forward time per head on the kernel's cost model
-  (:func:`striped_sp.plan.cost.model_for_kernel`; ``cost_model`` names it, and says when it is a
-  prediction rather than a measurement).
+  ``predicted_ms[t]``: its forward time per head on the cost model of the kernel on the device
+  (:func:`striped_sp.plan.cost.model_for`: the calibrated one where adopted, else the table's;
+  ``cost_model`` names it, and says when it is a prediction rather than a measurement); the same
+  model prices the schedule's halving and size classes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from ..kernels.schedule import class_rule, halving_rule
 from ..kernels.segments import Segments
 from ..kernels.varlen import Arena, compile_steps
-from .cost import model_for_kernel
+from .cost import model_for
 from .masks import MaskSpec, ring_plans
 from .ring_blocks import all_shared_rows
 
@@ -159,11 +160,12 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
                  strict_block: str = "sliced", device="cpu", dtype=torch.float32, head_dim: int | None = None,
                  batch: int = 1, heads: int = 1) -> RingPlan:
     """``host`` compiled for ``kernel`` on ``device`` / ``dtype`` / ``head_dim`` and ``batch`` rows
-    of ``heads`` query heads: masked plans get their programs, placed on the device with one copy."""
+    of ``heads`` query heads: masked plans get their programs, placed on the device with one copy.
+    Priced by :func:`~striped_sp.plan.cost.model_for` of the kernel on the device's type (the model
+    adopted by a calibration of that kernel there, else the table's)."""
     device = torch.device(device)
-    model = model_for_kernel(kernel.name, device.type)
-    cost = dict(predicted_ms=_predicted_ms(host, model),
-                cost_model=model.name + ("" if model.measured else " (a prediction)"))
+    model = model_for(kernel.name, device.type)
+    cost = dict(predicted_ms=_predicted_ms(host, model), cost_model=model.label)
     if not host.masked:
         return RingPlan(host.world_size, host.rank, host.local_len, host.steps, host.calls, None,
                         kernel.tensor_format, strict_block == "aligned", host.entries, kernel, scale, comm_dtype,

@@ -18,7 +18,8 @@ fewer than ``N`` stripes (it then falls on a few ranks, unevenly: the model assu
 document spread over all ranks).  The model knows no windows: under a window the choice is the one
 of the global layers (Megatron's ``--striped-stripe-size auto`` keeps its window rule,
 :mod:`striped_sp.plan.stripe_choice`).  A pure function of the boundaries, ``N`` and the model: every
-rank, the data loader and the ring reach the same choice.
+rank, the data loader and the ring reach the same choice, kept in a small cache keyed by the model
+(:func:`search`, :func:`placed_runs`).
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ def search(bounds, world_size: int, model: CostModel | str | None = None, stripe
     return _search(tuple(int(b) for b in bounds), world_size, model, stripe_size, doc_placement)
 
 
+# a cache beside the plan cache: a pure function of (row, N, model, knobs), the model resolved and in
+# the key; asked for one row by every rank's plan, the loader and describe(); 16 rows of candidates
 @functools.lru_cache(maxsize=16)
 def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_placement):
     local = bounds[-1] // world_size
@@ -208,6 +211,9 @@ def placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: Co
     return _placed_runs(tuple(bounds), world_size, stripe, doc_placement, model_named(model))
 
 
+# a cache beside the plan cache: the run tables of all N ranks of one row (model resolved, in the
+# key), asked for by each rank's plan and by shard / unshard / positions; 64 rows' tables.  Its size
+# is also placements_made(), which calibrate_cost_model refuses after
 @functools.lru_cache(maxsize=64)
 def _placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel) -> list:
     stripe, whole_max = _resolve(bounds, world_size, stripe, doc_placement, model)
@@ -239,4 +245,4 @@ def describe(bounds, world_size: int, stripe, doc_placement, model: CostModel | 
     ring = predict_ring(bounds, world_size, stripe, whole_max, model)
     return {"stripe_size": stripe, "whole_max": whole_max, "whole_documents": kept, "documents": len(bounds) - 1,
             "balance": pred["balance"], "predicted_forward_ms": pred["ms"], "predicted_ms": ring.ms,
-            "steps": ring.steps, "cost_model": model.name + ("" if model.measured else " (a prediction)")}
+            "steps": ring.steps, "cost_model": model.label}
