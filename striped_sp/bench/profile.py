@@ -82,7 +82,7 @@ def profiled_step(q, k, v, dout, group, layout, kernel, clock):
     lay, n = get_layout(layout), transport.world_size
     mask = None if lay.dense_plans else make_mask(q.size(1) * n, n, lay)
     strict = _step.strict_block_mode(kernel, q.device, q.dtype, q.size(-1),
-                                     applies=lay.name == "striped" and mask is None)
+                                     applies=lay.strict_block and mask is None)
     plan = build_ring_plan(lay, mask, True, n, transport.rank, q.size(1), kernel=kernel, scale=q.size(-1) ** -0.5,
                            strict_block=strict, device=q.device, dtype=q.dtype, head_dim=q.size(-1), batch=q.size(0),
                            heads=q.size(2))

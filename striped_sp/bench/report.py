@@ -21,7 +21,7 @@ def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int
     from ..plan.search import describe
 
     lay = get_layout(layout)
-    if lay.name != "striped" or lay.key == "striped":
+    if lay.key == lay.name:  # a layout without parameters (stripe size, placement): no plan to describe
         return {}
     d = describe(tuple(bounds), world_size, lay.stripe_size, lay.doc_placement)
     chosen = f"; stripe_size {d['stripe_size']}, {d['steps']} ring steps" if lay.stripe_size == "auto" else ""

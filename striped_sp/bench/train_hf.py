@@ -21,6 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..plan.layouts import ALGOS
 from .train_data import Runner, RunnerSkip, TrainRow
 
 __all__ = ["setup", "build_runner"]
@@ -125,8 +126,8 @@ class HFRunner(Runner):
 
         super().__init__(name, layout)
         lay = striped_sp.get_layout(layout)
-        section = {"algo": {"contiguous": "ring"}.get(lay.name, lay.name)}
-        if lay.name == "striped":
+        section = {"algo": {name: algo for algo, name in ALGOS.items()}[lay.name]}  # the section's algo name
+        if lay.key != lay.name:  # a layout's parameters (stripe size, placement) are keys of the section
             section.update(stripe_size=lay.stripe_size, doc_placement=lay.doc_placement)
         model = _hf_model(cfg, row, dtype, "sdpa")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)

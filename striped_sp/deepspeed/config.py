@@ -26,6 +26,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from ..engine.ulysses import check_ulysses
 from ..kernels import BACKENDS
 from ..plan.layouts import ALGOS as LAYOUT_ALGOS, get_layout
 from ..plan.placement import check_placement, check_stripe_size
@@ -72,6 +73,7 @@ class ContextParallelSettings:
         return self.sequence_parallel_size > 1
 
 
+# module-level: the pydantic model class, built once on first use because deepspeed is imported lazily
 _MODEL_CLASS = None
 
 
@@ -191,9 +193,11 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
     except pydantic.ValidationError as err:
         raise ValueError(_describe(err)) from None
     u = int(model.ulysses_size)
-    if sp % u:
-        raise ValueError(f"{SECTION}.ulysses_size={u} must divide sequence_parallel_size={sp} "
-                         "(Ulysses groups of ulysses_size ranks, a ring across them)")
+    try:  # the engine's rule; the heads are checked with it again when the model runs (unknown here)
+        check_ulysses(u, sp, heads=u, kv_heads=u)
+    except ValueError as err:
+        raise ValueError(f"{SECTION}.ulysses_size={u} with sequence_parallel_size={sp}: {err} "
+                         "(Ulysses groups of ulysses_size ranks, a ring across them)") from None
     stripe = _striped_value(section, "stripe_size", 1, check_stripe_size,
                             "a positive integer, 'doc' (per document: 2N stripes dealt to ranks 0..N-1, then back) "
                             "or 'auto' (per batch, the plan the cost model predicts fastest)")
@@ -221,9 +225,14 @@ def _doc_placement(section: Mapping, default: str = "split"):
 
 
 def _check_striped_keys(algo: str, stripe_size: int, placement) -> None:
-    """``stripe_size`` / ``doc_placement`` are parameters of the striped layout: refused with another algo."""
+    """``stripe_size`` / ``doc_placement`` are parameters of the striped layout: refused with another algo
+    (the plan's rule, :func:`striped_sp.plan.layouts.get_layout`)."""
     for key, value, default in (("stripe_size", stripe_size, 1),
                                 ("doc_placement", placement, "auto" if stripe_size == "auto" else "split")):
-        if value != default and algo != "striped":
+        if value == default:
+            continue
+        try:
+            get_layout(ALGOS[algo], **{key: value})
+        except ValueError as err:
             raise ValueError(f"{SECTION}.{key}={value!r} applies to {SECTION}.algo='striped' only, not "
-                             f"{algo!r}: drop it or use algo 'striped'")
+                             f"{algo!r} ({err}): drop it or use algo 'striped'") from None

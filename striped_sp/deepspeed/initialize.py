@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..plan.layouts import get_layout
 from .config import ContextParallelSettings, load_config, parse_config
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
@@ -223,7 +224,7 @@ def initialize(
         cfg.pop("data_parallel_size", None)  # checked above; the groups come through mpu, not a mesh
     groups = sequence_parallel_groups(settings.sequence_parallel_size, mpu)
     adapt_model(model, settings, groups)
-    if (settings.enabled and training_data is None and settings.layout != "contiguous"
+    if (settings.enabled and training_data is None and not get_layout(settings.layout).contiguous_slices
             and any(isinstance(m, DistributedAttention) for m in model.modules())):
         warnings.warn(
             f"context_parallel.algo={settings.algo!r}: DistributedAttention now expects each rank's "

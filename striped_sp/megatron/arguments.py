@@ -12,11 +12,16 @@ from typing import Callable, Optional
 from ..plan.layouts import ALGOS as LAYOUT_ALGOS, get_layout
 from .layout_flags import doc_placement_of, stripe_arg, stripe_size_of
 from ..engine.transport import set_ring_timeout
+from ..engine.ulysses import check_ulysses
+from ..plan.masks import check_window
 
 
 #: algo name -> this project's layout (``None``: Megatron/Transformer Engine's own path).
 ALGOS: dict[str, Optional[str]] = {"native": None, **LAYOUT_ALGOS}
 DEFAULT_ALGO = "native"
+#: the token layout of Megatron's own context parallelism (``--context-parallel-algo native``):
+#: Transformer Engine's zigzag chunks (a flag value's translation, as :data:`ALGOS`)
+NATIVE_LAYOUT = "zigzag"
 
 
 def check_algo(algo: str) -> str:
@@ -27,13 +32,16 @@ def check_algo(algo: str) -> str:
     ``--striped-doc-placement``) is an algo: every adapter function takes it where it takes
     ``"striped"``."""
     base, sep, params = str(algo).partition(":")
-    if base not in ALGOS or (sep and base != "striped"):
+    if base not in ALGOS or (sep and ALGOS[base] is None):
         raise ValueError(
             f"--context-parallel-algo {algo!r} is unknown: choose one of {sorted(ALGOS)} "
             "(or a striped layout key 'striped:stripe=S,place=P')"
         )
     if sep:
-        get_layout(algo)  # ValueError naming a bad stripe / place parameter
+        try:  # the plan's rule: which layouts take parameters, and their values
+            get_layout(f"{ALGOS[base]}:{params}")
+        except ValueError as err:
+            raise ValueError(f"--context-parallel-algo {algo!r} is unknown: {err}") from None
     return algo
 
 
@@ -62,11 +70,19 @@ def algo_of(args) -> str:
     algo, a stripe size below 1, a placement other than split / auto / a positive integer."""
     algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
     stripe, place = stripe_size_of(args), doc_placement_of(args)
-    if algo_name(algo) != "striped":
-        for flag, value, default in (("--striped-stripe-size", stripe, 1), ("--striped-doc-placement", place, "split")):
-            if value != default:
-                raise ValueError(f"{flag} {value} applies to --context-parallel-algo striped only, not {algo}: "
-                                 f"drop it or use --context-parallel-algo striped")
+    layout = ALGOS[algo_name(algo)]
+    for flag, value, default, param in (("--striped-stripe-size", stripe, 1, "stripe_size"),
+                                        ("--striped-doc-placement", place, "split", "doc_placement")):
+        if value == default:
+            continue
+        try:  # the plan's rule: which layouts take a stripe size / placement
+            if layout is None:
+                raise ValueError("native runs Megatron's own layout, which takes no parameters")
+            get_layout(layout, **{param: value})
+        except ValueError as err:
+            raise ValueError(f"{flag} {value} applies to --context-parallel-algo striped only, not {algo} "
+                             f"({err}): drop it or use --context-parallel-algo striped") from None
+    if ":" not in algo and stripe == 1 and place == "split":
         return algo
     return get_layout(algo, stripe if stripe != 1 else None, place if place != "split" else None).key
 
@@ -213,19 +229,16 @@ def validate_args(args) -> None:
             f"{flag} needs --context-parallel-size > 1 (got {cp}): raise "
             "--context-parallel-size or use --context-parallel-algo native"
         )
+    lay = get_layout(layout_of(key))
     seq_length = getattr(args, "seq_length", None)
     if seq_length is not None:
-        lay = get_layout(layout_of(key))
-        unit = cp * lay.seq_multiple
-        if seq_length % unit != 0:
-            rule = f"--context-parallel-size = {unit}"
-            if lay.seq_multiple > 1:
-                times = "2" if lay.name == "zigzag" else "--striped-stripe-size"
-                rule = f"{times} * {rule}"
-            raise ValueError(
-                f"{flag}: --seq-length {seq_length} must be a multiple of {rule}: change "
-                "--seq-length or --context-parallel-size"
-            )
+        try:
+            lay.check_seq_len(seq_length, cp)  # the layout's rule (world_size: the CP size)
+        except ValueError as err:
+            stripe = stripe_size_of(args)
+            given = f"--seq-length {seq_length} over --context-parallel-size {cp}" + (
+                f" with --striped-stripe-size {stripe}" if stripe != 1 else "")
+            raise ValueError(f"{flag}: {given}: {err}: change --seq-length or --context-parallel-size") from None
     comm = _cp_comm_types(getattr(args, "cp_comm_type", None))
     if any(c not in ("p2p", "a2a", "a2a+p2p") for c in comm):
         raise ValueError(
@@ -241,21 +254,23 @@ def validate_args(args) -> None:
     heads = getattr(args, "num_attention_heads", None)
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    for comm_type in set(comm) - {"p2p"}:
+    for comm_type in sorted(set(comm) - {"p2p"}):
         u = cp if comm_type == "a2a" else int(hier[0])
-        if heads is not None and (heads // tp) % u:
+        h = u if heads is None else heads // tp  # unknown heads: the split of the CP ranks only
+        kv = h if groups is None else max(1, groups // tp)
+        try:
+            check_ulysses(u, cp, h, kv)  # the engine's rule, on the heads of one tensor-parallel rank
+        except ValueError as err:
+            given = [f"ulysses_size = --context-parallel-size {cp}" if comm_type == "a2a" else
+                     f"ulysses_size = U of --hierarchical-context-parallel-sizes {' '.join(map(str, hier))} "
+                     f"with --context-parallel-size {cp}"]
+            if heads is not None:
+                given.append(f"heads = --num-attention-heads {heads} / --tensor-model-parallel-size {tp}")
+            if heads is not None and getattr(args, "group_query_attention", False):
+                given.append(f"kv heads = --num-query-groups {groups} / --tensor-model-parallel-size {tp}")
             raise ValueError(
-                f"{flag} with --cp-comm-type {comm_type}: the Ulysses group of {u} ranks must divide the "
-                f"attention heads per tensor-parallel rank ({heads} / {tp}): change "
-                "--hierarchical-context-parallel-sizes or --num-attention-heads"
-            )
-        kv = None if groups is None else max(1, groups // tp)
-        if kv is not None and kv % u and u % kv:
-            raise ValueError(
-                f"{flag} with --cp-comm-type {comm_type}: the kv heads per tensor-parallel rank ({kv}) must "
-                f"divide by the Ulysses group of {u} ranks or divide it: change --num-query-groups or "
-                "--hierarchical-context-parallel-sizes"
-            )
+                f"{flag} with --cp-comm-type {comm_type}: {err} ({'; '.join(given)}): change "
+                "--hierarchical-context-parallel-sizes, --num-attention-heads or --num-query-groups") from None
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError(
             f"{flag} does not support hybrid context parallelism yet: drop "
@@ -273,22 +288,25 @@ def validate_args(args) -> None:
             f"{flag} reads the documents of --reset-attention-mask from the attention mask: drop "
             "--no-create-attention-mask-in-dataloader"
         )
-    if algo == "zigzag" and getattr(args, "reset_attention_mask", False):
+    if lay.places_documents and getattr(args, "reset_attention_mask", False):
+        m = lay.document_multiple(cp)
+        multiple = f" (every document a multiple of {m} tokens)" if m > 1 else ""
         raise ValueError(
-            f"{flag} cuts each packed document into 2 * CP chunks and cannot run the documents of "
-            "--reset-attention-mask inside whole rows: use --context-parallel-algo striped or ring"
+            f"{flag} places tokens by each packed document's own bounds{multiple} and cannot run the "
+            "documents of --reset-attention-mask "
+            "inside whole rows: use --context-parallel-algo ring, or striped with an integer "
+            "--striped-stripe-size and --striped-doc-placement split"
         )
     window = getattr(args, "window_size", None)
     if window is not None:
         try:
-            left, right = (int(x) for x in window)
-        except (TypeError, ValueError):
-            raise ValueError(f"{flag}: --window-size {window!r} must be two integers L,R") from None
-        if left < -1 or right != 0:
+            check_window(window, causal=True)  # the plan's rule; GPT attention is causal
+        except ValueError as err:
+            shown = ",".join(map(str, window)) if isinstance(window, (tuple, list)) else repr(window)
             raise ValueError(
-                f"{flag}: --window-size {left},{right} must be L,0 with L >= 0 (or -1 for no limit): "
+                f"{flag}: --window-size {shown}: {err}; pass L,0 with L >= 0 (or -1 for no limit): "
                 "GPT attention is causal, so a query sees the L tokens before it and itself"
-            )
+            ) from None
     _check_kernel_flags(args, flag)
     _check_pipeline_documents(args, flag)
     _check_loss_weighting(args, flag)

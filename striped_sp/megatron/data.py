@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..engine.request import prepare_plans
 from ..plan.layouts import get_layout, shard, unshard
 from . import packed
-from .arguments import algo_name, check_algo, layout_of
+from .arguments import check_algo, layout_of
 
 __all__ = ["get_batch_on_this_cp_rank", "get_thd_batch_on_this_cp_rank", "roll_tensor", "cp_size_and_rank"]
 
@@ -103,16 +103,17 @@ def get_batch_on_this_cp_rank(
             raise ValueError(f"batch tensors disagree on the sequence length: {lens}")
         get_layout(layout).check_seq_len(next(iter(lens.values())), size)
     if documents is not None and packed.keeps_padding(layout) and any(len(b) > 2 for b in documents):
-        if algo_name(algo) != "zigzag":  # a striped doc_placement
+        multiple = get_layout(layout).document_multiple(size)
+        if multiple == 1:  # documents of any length: a striped doc_placement or per-document stripes
             raise ValueError(
                 f"--context-parallel-algo {algo}: --striped-doc-placement and --striped-stripe-size doc place "
                 "the documents of packed THD rows (--sft) only, not those of --reset-attention-mask [b, s] "
                 "batches (Megatron's RoPE takes one table for every row): use --striped-doc-placement split "
                 "and an integer stripe size")
         raise ValueError(
-            "--context-parallel-algo zigzag cuts each packed document into 2 * CP chunks and cannot "
-            "run the documents of --reset-attention-mask inside whole rows: use --context-parallel-algo "
-            "striped (balanced on documents) or ring")
+            f"--context-parallel-algo {algo} cuts each packed document into chunks (every document a multiple "
+            f"of {multiple} tokens) and cannot run the documents of --reset-attention-mask inside whole rows: "
+            "use --context-parallel-algo striped (balanced on documents) or ring")
     out = {
         key: shard(val, size, rank, dim=dims[key], layout=layout) if key in dims else val
         for key, val in batch.items()

@@ -31,12 +31,15 @@ import sys
 from typing import Callable
 
 from . import data, mla, rope
-from .arguments import check_algo, validate_args as _validate_striped_args
+from ..plan.layouts import get_layout
+from .arguments import NATIVE_LAYOUT, check_algo, layout_of, validate_args as _validate_striped_args
 from .spec import patch_layer_spec
 from .version import check_supported
 
 __all__ = ["install", "uninstall", "installed_algo"]
 
+# module-level: the patches replace attributes of Megatron's modules for the whole process, so the
+# algo they follow and the originals to restore are process-wide too (install / uninstall)
 _STATE: dict = {"algo": None, "backend": "auto", "patches": []}
 
 #: top-level (non-``megatron.*``) modules of Megatron-LM that import these functions by name
@@ -174,9 +177,11 @@ _UNSUPPORTED_LAYERS = {"DSAttention": "DeepSeek sparse attention ('D')"}
 def _check_hybrid_layers(model) -> None:
     """Refuse, by name and before any forward, the HybridModel layers the algo cannot run."""
     algo = _STATE["algo"]
+    # equal layout keys: the same token placement as Megatron's own context parallelism
+    native_placement = layout_of(algo) == get_layout(NATIVE_LAYOUT).key
     for module in model.modules():
         name = type(module).__name__
-        if name in _ZIGZAG_ONLY_LAYERS and algo != "zigzag":
+        if name in _ZIGZAG_ONLY_LAYERS and not native_placement:
             raise ValueError(
                 f"--context-parallel-algo {algo}: the hybrid pattern has {_ZIGZAG_ONLY_LAYERS[name]} layers, "
                 "whose context parallelism assumes Megatron's zigzag layout: use --context-parallel-algo "

@@ -21,7 +21,7 @@ import torch
 
 from ..plan.layouts import positions
 from ..plan.packing import document_positions
-from .arguments import layout_of
+from .arguments import NATIVE_LAYOUT, layout_of
 
 __all__ = ["get_pos_emb_on_this_cp_rank", "apply_rotary_pos_emb_thd", "cpu_fallback"]
 
@@ -33,12 +33,14 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group, *
     """
     if cp_group is None:
         raise ValueError("cp_group must be given to select this CP rank's rotary positions")
-    layout = "zigzag" if algo == "native" else layout_of(algo)
+    layout = NATIVE_LAYOUT if algo == "native" else layout_of(algo)
     size, rank = cp_group.size(), cp_group.rank()
     idx = positions(pos_emb.size(seq_dim), size, rank, layout).to(pos_emb.device)
     return pos_emb.index_select(seq_dim, idx)
 
 
+# module-level: Megatron calls RoPE once per layer and keeps nothing per batch for us; keyed by the
+# batch's cu_seqlens object (weakly) and the layout, at most 65 entries: one device read per batch
 _POSITIONS: dict = {}
 
 
@@ -53,7 +55,7 @@ def _thd_positions(cu_seqlens, seq_len: int, size: int, rank: int, layout: str, 
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
     given = boundary_ints(cu_seqlens)
-    bounds = thd_bounds(given, None, seq_len, "zigzag")  # the buffer's documents, padding inside
+    bounds = thd_bounds(given, None, seq_len, layout)  # the padded bounds: the buffer's documents, padding inside
     if table_rows == given[-1]:
         pos = positions(seq_len, size, rank, layout, bounds)
     else:
@@ -82,7 +84,7 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens, freqs: torch.Tensor, c
 
     size = 1 if cp_group is None else cp_group.size()
     rank = 0 if cp_group is None else cp_group.rank()
-    layout = "zigzag" if algo == "native" else layout_of(algo)
+    layout = NATIVE_LAYOUT if algo == "native" else layout_of(algo)
     seq_len = t.size(0) * size
     pos = _thd_positions(cu_seqlens, seq_len, size, rank, layout, freqs.size(0), freqs.device)
     rows = freqs.index_select(0, pos)  # [t_local, 1, 1, rot_dim]

@@ -191,6 +191,10 @@ class Layout:
         documents runs as one flattened row.  No by default."""
         return False
 
+    #: True when rank ``r`` holds the contiguous slice ``r*n .. (r+1)*n - 1`` of the row (``n = S / N``),
+    #: as a data path that slices the sequence itself gives (Megatron-DeepSpeed's ``get_batch``)
+    contiguous_slices: bool = False
+
 
 class Contiguous(Layout):
     name = "contiguous"
@@ -208,6 +212,8 @@ class Contiguous(Layout):
         if source < rank:
             return [BlockCall(_ALL, _ALL, False)]
         return []
+
+    contiguous_slices = True  # see Layout.contiguous_slices
 
 
 class Zigzag(Layout):

@@ -10,6 +10,7 @@ DeepSpeed's CPU shared-memory op is never compiled: the setup case calls
 """
 
 import os
+import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -335,6 +336,11 @@ def _case_engine_loader_and_swap():
     with pytest.warns(UserWarning, match="shard_batch"):
         initialize(model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
                    config=_ds_config(2, "zigzag"))
+    # a layout whose ranks hold contiguous slices (Layout.contiguous_slices: ring) needs no warning
+    ring = Block(_STATE["group"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*shard_batch")
+        initialize(model=ring, optimizer=torch.optim.SGD(ring.parameters(), lr=0.1), config=_ds_config(2, "ring"))
     batches = list(loader)
     assert len(batches) == 3  # one data-parallel replica: every sample, micro-batch 2
     for batch in batches:

@@ -95,14 +95,14 @@ def test_valid_settings_pass():
 @pytest.mark.parametrize("kw, words", [
     (dict(context_parallel_size=1), "--context-parallel-size"),
     (dict(seq_length=4098), "--seq-length"),
-    (dict(context_parallel_algo="zigzag", seq_length=4 * 3), "2 * --context-parallel-size"),
+    (dict(context_parallel_algo="zigzag", seq_length=4 * 3), "--seq-length 12 over --context-parallel-size 4"),
     (dict(cp_comm_type=["allgather"]), "--cp-comm-type p2p, a2a and a2a+p2p (got allgather)"),
     (dict(cp_comm_type=["p2p", "a2a+p2p"]), "needs --hierarchical-context-parallel-sizes U R"),
-    (dict(cp_comm_type=["a2a"], num_attention_heads=6), "must divide the attention heads"),
+    (dict(cp_comm_type=["a2a"], num_attention_heads=6), "--num-attention-heads 6"),
     (dict(cp_comm_type=["a2a"], num_attention_heads=8, group_query_attention=True, num_query_groups=3),
-     "kv heads per tensor-parallel rank (3)"),
+     "--num-query-groups 3"),
     (dict(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[4, 1], num_attention_heads=8,
-          tensor_model_parallel_size=4), "must divide the attention heads per tensor-parallel rank (8 / 4)"),
+          tensor_model_parallel_size=4), "--num-attention-heads 8 / --tensor-model-parallel-size 4"),
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     (dict(attention_dropout=0.1), "--attention-dropout 0"),
     (dict(sft=True), "--calculate-per-token-loss"),
@@ -113,8 +113,8 @@ def test_valid_settings_pass():
     (dict(fp8_multi_head_attention=True), "fp8_multi_head_attention=False"),
     (dict(attention_backend="flash"), "flash-attn, which is not installed"),
     (dict(use_flash_attn=True), "flash-attn, which is not installed"),
-    (dict(window_size=(64, 2)), "must be L,0"),
-    (dict(context_parallel_algo="zigzag", reset_attention_mask=True), "--context-parallel-algo striped"),
+    (dict(window_size=(64, 2)), "--window-size 64,2"),
+    (dict(context_parallel_algo="zigzag", reset_attention_mask=True), "--context-parallel-algo ring"),
     (dict(sft=True, calculate_per_token_loss=True, pipeline_model_parallel_size=4), "--pipeline-model-parallel-size"),
     (dict(reset_attention_mask=True, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
      "without a virtual pipeline"),
@@ -129,6 +129,47 @@ def test_valid_settings_pass():
 def test_each_validation_error_names_the_setting(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         sm.validate_args(_args(**kw))
+
+
+@pytest.mark.parametrize("kw, words", [
+    # the layout's sequence rule (Layout.check_seq_len): the flags, their values, the rule
+    (dict(seq_length=4098), ["--seq-length 4098", "--context-parallel-size 4",
+                             "must be a positive multiple of world_size = 4"]),
+    (dict(context_parallel_algo="zigzag", seq_length=4 * 3),
+     ["--seq-length 12", "--context-parallel-size 4", "multiple of 2 * world_size = 8", "layout 'zigzag'"]),
+    (dict(striped_stripe_size=3, seq_length=4096),
+     ["--seq-length 4096", "--striped-stripe-size 3", "multiple of 3 * world_size = 12"]),
+    # the Ulysses rule (engine.ulysses.check_ulysses) on the heads of one tensor-parallel rank
+    (dict(cp_comm_type=["a2a"], num_attention_heads=6),
+     ["--cp-comm-type a2a", "--context-parallel-size 4", "--num-attention-heads 6",
+      "ulysses_size=4 must divide the query heads (6)"]),
+    (dict(cp_comm_type=["a2a"], num_attention_heads=8, group_query_attention=True, num_query_groups=3),
+     ["--num-query-groups 3", "kv heads (3) must divide by ulysses_size=4 or divide it"]),
+    (dict(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[4, 1], num_attention_heads=8,
+          tensor_model_parallel_size=4),
+     ["--hierarchical-context-parallel-sizes 4 1", "--num-attention-heads 8 / --tensor-model-parallel-size 4",
+      "ulysses_size=4 must divide the query heads (2)"]),
+    (dict(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[3, 1], num_attention_heads=12),
+     ["--hierarchical-context-parallel-sizes 3 1", "--context-parallel-size 4",
+      "ulysses_size=3 must divide the context-parallel size 4"]),
+    # the window rule (plan.masks.check_window), causal
+    (dict(window_size=(64, 2)), ["--window-size 64,2", "right must be 0 when causal=True"]),
+    (dict(window_size=(64, -1)), ["--window-size 64,-1", "right must be 0 when causal=True"]),
+    (dict(window_size=(-3, 0)), ["--window-size -3,0", "left=-3 must be an int >= -1"]),
+    (dict(window_size=(64,)), ["--window-size 64", "must be a pair (left, right)"]),
+    # the layout's document fact (places_documents, document_multiple): zigzag cannot run EOD documents
+    (dict(context_parallel_algo="zigzag", reset_attention_mask=True),
+     ["--context-parallel-algo zigzag", "--reset-attention-mask", "a multiple of 8 tokens"]),
+    # which layouts take stripe / place parameters (plan.layouts.get_layout)
+    (dict(context_parallel_algo="zigzag", striped_stripe_size=2),
+     ["--striped-stripe-size 2", "not zigzag", "apply to layout 'striped' only"]),
+])
+def test_plan_rules_through_the_flags_name_flag_value_and_rule(kw, words):
+    """Each rule is the plan's (or the engine's) own, re-raised with Megatron's flags and values."""
+    with pytest.raises(ValueError) as err:
+        sm.validate_args(_args(**kw))
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
 
 
 def test_supported_megatron_versions(monkeypatch):
@@ -189,7 +230,7 @@ def test_striped_flags_make_one_layout_key():
      "--context-parallel-algo striped only"),
     (dict(context_parallel_algo="ring", striped_doc_placement="auto"), "--striped-doc-placement auto applies to"),
     (dict(context_parallel_algo="native", striped_stripe_size=8), "--striped-stripe-size 8 applies to"),
-    (dict(striped_stripe_size=3, seq_length=4096), "--striped-stripe-size * --context-parallel-size = 12"),
+    (dict(striped_stripe_size=3, seq_length=4096), "with --striped-stripe-size 3"),
     (dict(striped_doc_placement="auto"), "--striped-doc-placement auto needs packed THD rows (--sft)"),
     (dict(striped_stripe_size="doc", reset_attention_mask=True), "--striped-stripe-size doc follows the documents"),
     (dict(striped_stripe_size="tiles"), "--striped-stripe-size 'tiles' must be a positive integer"),
@@ -199,3 +240,50 @@ def test_striped_flags_make_one_layout_key():
 def test_striped_flag_errors_name_the_flag(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         sm.validate_args(_args(**kw))
+
+
+def _mask_with_documents(bounds, seq_len):
+    """Megatron's ``--reset-attention-mask`` mask of one row: ``True`` where a query may not see a key."""
+    import torch
+
+    visible = torch.zeros(seq_len, seq_len, dtype=torch.bool)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        visible[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    return (~visible).view(1, 1, seq_len, seq_len)
+
+
+@pytest.mark.parametrize("algo, words", [
+    ("zigzag", ["--context-parallel-algo zigzag", "a multiple of 8 tokens", "--reset-attention-mask"]),
+    ("striped:place=auto", ["--context-parallel-algo striped:place=auto", "--striped-doc-placement"]),
+])
+def test_batch_slicing_refuses_documents_a_layout_places(monkeypatch, algo, words):
+    """get_batch_on_this_cp_rank asks the layout (places_documents, document_multiple), not its name."""
+    import torch
+
+    monkeypatch.setattr(sm.data, "cp_size_and_rank", lambda group=None: (4, 0))
+    batch = {"tokens": torch.zeros(1, 16, dtype=torch.long), "attention_mask": _mask_with_documents((0, 5, 16), 16)}
+    with pytest.raises(ValueError) as err:
+        sm.get_batch_on_this_cp_rank(batch, algo, cp_group=None)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    out = sm.get_batch_on_this_cp_rank(batch, "striped", cp_group=None)  # striped keeps positions: fine
+    assert out["tokens"].shape == (1, 4)
+
+
+@pytest.mark.parametrize("algo, refused", [("striped", True), ("ring", True), ("striped:stripe=4", True),
+                                           ("zigzag", False)])
+def test_hybrid_mamba_layers_need_megatrons_own_placement(monkeypatch, algo, refused):
+    """Mamba's context parallelism assumes Megatron's token placement: the check compares layout keys."""
+    import torch
+    from striped_sp.megatron import hooks
+
+    class MambaLayer(torch.nn.Module):
+        pass
+
+    model = torch.nn.Sequential(MambaLayer())
+    monkeypatch.setitem(hooks._STATE, "algo", algo)
+    if refused:
+        with pytest.raises(ValueError, match=r"Mamba .* zigzag"):
+            hooks._check_hybrid_layers(model)
+    else:
+        hooks._check_hybrid_layers(model)
