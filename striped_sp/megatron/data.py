@@ -217,7 +217,7 @@ def roll_tensor(
     bounds = cut = None
     if packed_seq_params is not None:
         # roll inside each document's real tokens (padding apart); zigzag shards by padded documents
-        bounds = packed.documents_of(packed_seq_params, seq, "striped")
+        bounds = packed.documents_of(packed_seq_params, seq, None)  # the real tokens' documents
         cut = packed.documents_of(packed_seq_params, seq, layout) if packed.keeps_padding(layout) else None
     if size == 1:
         full = tensor

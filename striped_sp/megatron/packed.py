@@ -54,12 +54,12 @@ def keeps_padding(layout: str) -> bool:
     return get_layout(layout).places_documents
 
 
-def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tuple[int, ...]:
+def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str | None) -> tuple[int, ...]:
     """Global document bounds of a THD buffer of ``seq_len`` tokens for the ring.
 
     ``cu_seqlens``: real boundaries ``[0, l1, l1+l2, ...]``; ``cu_seqlens_padded``: the padded
     ones (``None``: no padding).  The padding of a document is a document of its own unless
-    :func:`keeps_padding` (``layout``).  Documents of length 0 (repeated boundaries) are dropped; tokens
+    :func:`keeps_padding` (``layout``; ``None``: the real documents, padding always apart).  Documents of length 0 (repeated boundaries) are dropped; tokens
     after the last padded boundary form one more document.  ``ValueError`` names the rule broken.
     """
     real = boundary_ints(cu_seqlens)
@@ -69,7 +69,7 @@ def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tupl
                          "they must describe the same documents")
     if not real or real[0] != 0 or padded[0] != 0:
         raise ValueError(f"cu_seqlens={list(real[:6])} and cu_seqlens_padded={list(padded[:6])} must start at 0")
-    split = not keeps_padding(layout)
+    split = layout is None or not keeps_padding(layout)
     out = [0]
     for i in range(len(real) - 1):
         n, room = real[i + 1] - real[i], padded[i + 1] - padded[i]
@@ -88,8 +88,9 @@ def thd_bounds(cu_seqlens, cu_seqlens_padded, seq_len: int, layout: str) -> tupl
     return tuple(out)
 
 
-def documents_of(params, seq_len: int, layout: str) -> tuple[int, ...]:
-    """The ring's bounds for ``params`` (a THD ``PackedSeqParams``), computed once per object."""
+def documents_of(params, seq_len: int, layout: str | None) -> tuple[int, ...]:
+    """The ring's bounds for ``params`` (a THD ``PackedSeqParams``) under ``layout`` (``None``: the
+    real documents, each padding a document of its own: :func:`thd_bounds`), computed once per object."""
     cache = getattr(params, _CACHE_ATTR, None)
     key = (seq_len, layout)
     if cache is not None and key in cache:
