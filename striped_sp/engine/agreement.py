@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .transport import ring_timeout
+from .transport import _PEER_GONE, ring_timeout
 
 __all__ = ["CHECK_RANKS_ENV", "CACHE_SIZE", "check_ranks_enabled", "per_call_checks_enabled", "agree", "agreeing",
            "gather_rows", "clear_cache"]
@@ -97,25 +97,42 @@ def _readable(value: Any) -> str:
     return text if len(text) <= _VALUE_CHARS else text[:_VALUE_CHARS - 3] + "..."
 
 
-def _all_gather(mine: torch.Tensor, group, timeout: datetime.timedelta | None, what: str) -> torch.Tensor:
+def _all_gather(mine: torch.Tensor, group, timeout: datetime.timedelta | None, what: str,
+                skipped: bool = True) -> torch.Tensor:
     """``[world_size, *mine.shape]``: every rank's ``mine``; a peer that does not join within
-    ``timeout`` (``None``: the ring timeout; CPU tensors, gloo) raises ``TimeoutError``."""
+    ``timeout`` (``None``: the ring timeout; CPU tensors, gloo) raises ``TimeoutError``, a peer whose
+    process exited (gloo: "Connection closed by peer") ``RuntimeError``, both naming this rank and
+    ``what``.  ``skipped``: a peer may have skipped this exchange with a signature agreed on before
+    (``False`` on a group's first agreement: then the timeout's message names only a stuck peer)."""
     if timeout is None:  # not the group's own (gloo: 30 minutes; Megatron's groups likewise)
         timeout = ring_timeout()
     n = dist.get_world_size(group)
     every = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)  # gloo: concatenated only
-    work = dist.all_gather_single(every, mine.reshape(-1), group=group, async_op=True)
     try:
+        work = dist.all_gather_single(every, mine.reshape(-1), group=group, async_op=True)
         if timeout is not None and mine.device.type == "cpu":
             work.wait(timeout=timeout)
         else:
             work.wait()
     except RuntimeError as err:
-        if "imed out" not in str(err) and "timeout" not in str(err):
-            raise
+        me = f"rank {dist.get_rank(group)} of the group"
+        text = str(err)
+        if "imed out" not in text and "timeout" not in text:
+            first = text.splitlines()[0] if text else repr(err)
+            if not any(mark in text for mark in _PEER_GONE):
+                raise RuntimeError(f"{what}: {me} failed to exchange the argument check: {first}") from err
+            raise RuntimeError(
+                f"{what}: {me} failed to exchange the argument check with the other ranks: a peer is gone, its "
+                "process may have exited (killed, out of memory, or an error of its own): look at the other ranks' "
+                f"logs for the first error (gloo: {first})") from err
         waited = f"more than {timeout.total_seconds():g} s" if mine.device.type == "cpu" else "past the group's timeout"
+        if not skipped:
+            raise TimeoutError(
+                f"{what}: {me} waited {waited} for the other ranks to check their arguments: a peer is stuck or "
+                "gone (it has not reached this call, or its process died): look at the other ranks' logs for where "
+                "they are or their first error") from err
         raise TimeoutError(
-            f"{what}: rank {dist.get_rank(group)} of the group waited {waited} for "
+            f"{what}: {me} waited {waited} for "
             "the other ranks to check their arguments (a peer is stuck or gone, or it skipped the check because "
             "it called with a signature the group had agreed on before while this rank called with a new one: "
             "the ranks were called with different arguments)") from err
@@ -131,10 +148,10 @@ def _describe_mismatch(fields: Sequence[tuple[str, Any]], group, device, timeout
     mine = json.dumps([[name, _readable(value), _digest(repr(_hashable(value)))] for name, value in fields])
     data = _padded_bytes(mine, device)
     lengths = _all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), group, timeout,
-                          what).view(-1).tolist()
+                          what, skipped=False).view(-1).tolist()  # every rank took step 1: none skipped
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
-    every = _all_gather(padded, group, timeout, what).cpu()
+    every = _all_gather(padded, group, timeout, what, skipped=False).cpu()
     tables = [json.loads(bytes(every[r, :lengths[r]].tolist()).decode()) for r in range(len(lengths))]
     base = {name: (value, d) for name, value, d in tables[0]}
     lines = []  # the same text on every rank: each rank that differs from rank 0, field by field
@@ -192,9 +209,9 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         if error is not None:
             raise error
         return
+    cache = _CACHES.setdefault(_group_key(group), collections.OrderedDict())
     if error is None:
         signature = tuple([(name, _hashable(value)) for name, value in fields])
-        cache = _CACHES.setdefault(_group_key(group), collections.OrderedDict())
         if cached and signature in cache and os.environ.get(CHECK_RANKS_ENV) != "always":
             cache.move_to_end(signature)
             return
@@ -203,8 +220,8 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
         status, digest = 1, 0
     try:
         table = _all_gather(torch.tensor([status, digest], dtype=torch.int64, device=device), group, timeout,
-                            what).tolist()
-    except TimeoutError:
+                            what, skipped=bool(cache)).tolist()  # the group's first agreement: none skipped
+    except (TimeoutError, RuntimeError):  # a peer stuck or gone
         if error is not None:
             raise error from None
         raise

@@ -23,6 +23,8 @@ flag ``--context-parallel-timeout-s`` and the DeepSpeed key ``context_parallel.t
 ``$STRIPED_SP_RING_TIMEOUT_S``; :data:`DEFAULT_TIMEOUT_S`.  It applies to CPU tensors (gloo), whose
 ``Work.wait(timeout=)`` raises after it (torch 2.13, checked); on CUDA (NCCL) the wait stays
 asynchronous and the process group's own timeout (NCCL's watchdog, 10 minutes by default) applies.
+A peer whose process exited (gloo: "Connection closed by peer", at the post or during the wait)
+makes the rank raise ``RuntimeError`` at once, likewise naming itself, the peer and the step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ TIMEOUT_ENV = "STRIPED_SP_RING_TIMEOUT_S"
 #: the ring timeout unless set otherwise: well below gloo's 30 minutes, above any sane ring step
 DEFAULT_TIMEOUT_S = 600.0
 _configured_s: float | None = None
+#: what gloo says when the peer's process has gone ("Connection closed by peer", "Connection reset by peer")
+_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "closed by peer", "Socket closed")
 
 
 def _seconds(value, source: str) -> float:
@@ -74,14 +78,15 @@ def ring_timeout(timeout: float | datetime.timedelta | None = None) -> datetime.
 
 
 class Transfer:
-    """Receives in flight from the previous rank; :meth:`wait` returns the received tensors."""
+    """Receives in flight from the previous rank; :meth:`wait` returns the received tensors.
+    ``peers``: ``(to, frm)``, the ranks sent to and received from (named by an error)."""
 
     def __init__(self, requests, sent: list[torch.Tensor], received: list[torch.Tensor], ring: "TorchTransport" = None,
-                 what: str = "a ring step"):
+                 what: str = "a ring step", peers: tuple[int, int] | None = None):
         self._requests = requests
         self._sent = sent  # kept alive until the sends complete
         self._received = received
-        self._ring, self._what = ring, what
+        self._ring, self._what, self._peers = ring, what, peers
 
     def settle(self) -> None:
         """Complete the transfer whatever happened meanwhile (a failing rank leaves no message half-sent)."""
@@ -92,13 +97,16 @@ class Transfer:
         timeout = ring.timeout if ring is not None and self._received and self._received[0].device.type == "cpu" \
             else None
         for i, req in enumerate(self._requests):
-            if timeout is None:
-                req.wait()
-                continue
             try:
-                req.wait(timeout=timeout)
-            except RuntimeError as err:
-                raise ring.stuck_error(self._what, sending=i < len(self._sent), err=err) from err
+                if timeout is None:
+                    req.wait()
+                else:
+                    req.wait(timeout=timeout)
+            except RuntimeError as err:  # a timeout, or a peer gone mid-transfer ("Connection closed by peer")
+                if ring is None:
+                    raise
+                raise ring.stuck_error(self._what, sending=i < len(self._sent), err=err, peers=self._peers,
+                                       waited=timeout is not None) from err
         self._sent = []
         return self._received
 
@@ -151,20 +159,37 @@ class TorchTransport(Transport):
             what = f"{what}, {hops} ranks ahead: to rank {to}, from rank {frm}"
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, frm, self.group) for r in received]
-        return Transfer(dist.batch_isend_irecv(ops), sent, received, self, what)
+        try:
+            requests = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:  # a peer already gone: gloo refuses the post ("Connection closed by peer")
+            raise self.stuck_error(what, sending=None, err=err, peers=(to, frm), waited=False) from err
+        return Transfer(requests, sent, received, self, what, peers=(to, frm))
 
-
-    def stuck_error(self, what: str, sending: bool, err: BaseException) -> Exception:
-        """The error for a transfer that failed or timed out: names this rank, the peer and the step."""
+    def stuck_error(self, what: str, sending: bool | None, err: BaseException,
+                    peers: tuple[int, int] | None = None, waited: bool = True) -> Exception:
+        """The error for a transfer that failed or timed out: names this rank, the peer and the step.
+        ``sending``: the send failed (``False``: the receive; ``None``: the post of both);
+        ``peers``: ``(to, frm)`` (default: the next and previous ranks); ``waited``: the wait had
+        the ring timeout (gloo), else the process group's own applied."""
+        to, frm = peers if peers is not None else (self.next_rank, self.prev_rank)
         me = f"rank {dist.get_rank()} (rank {self.rank} of its CP group of {self.world_size})"
-        peer = (f"sending to rank {self.next_rank}" if sending else f"receiving from rank {self.prev_rank}")
+        peer = (f"sending to rank {to}" if sending else f"receiving from rank {frm}" if sending is False
+                else f"posting the transfer to rank {to} and from rank {frm}")
         text = str(err)
         if "imed out" in text or "timeout" in text:
+            waited_for = (f"more than {self.timeout.total_seconds():g} s" if waited and self.timeout is not None
+                          else "past the process group's timeout")
             return TimeoutError(
-                f"ring_attention: {me} waited more than {self.timeout.total_seconds():g} s {peer} in {what}: "
+                f"ring_attention: {me} waited {waited_for} {peer} in {what}: "
                 f"that peer is stuck or gone (set the ring timeout with ring_attention(timeout=), "
                 f"${TIMEOUT_ENV}, --context-parallel-timeout-s or context_parallel.timeout_s)")
-        return RuntimeError(f"ring_attention: {me} failed {peer} in {what}: {text.splitlines()[0] if text else err!r}")
+        first = text.splitlines()[0] if text else repr(err)
+        if any(mark in text for mark in _PEER_GONE):
+            return RuntimeError(
+                f"ring_attention: {me} failed {peer} in {what}: that peer is gone, its process may have exited "
+                f"(killed, out of memory, or an error of its own): look at its log for the first error "
+                f"(gloo: {first})")
+        return RuntimeError(f"ring_attention: {me} failed {peer} in {what}: {first}")
 
 
 def drive(steps):

@@ -1,5 +1,6 @@
 """The ring timeout: a stuck peer makes the waiting rank raise TimeoutError naming itself, the peer
-and the ring step, within the timeout, instead of holding it for gloo's 30 minutes.
+and the ring step, within the timeout, instead of holding it for gloo's 30 minutes (a peer whose
+process died: tests/dist/test_dead_peer.py).
 
 Each scenario runs on its own gloo group (a timed-out gloo pair is closed for good); the default
 group only synchronises the scenarios.  run_cases bounds the whole run, so a regression fails the
@@ -68,13 +69,31 @@ def stuck_in_backward(group):
 
 
 def stuck_before_agreement(group):
-    """Rank 1 never calls: rank 0's first call waits in the agreement exchange, then raises."""
+    """Rank 1 never calls: rank 0's first call waits in the agreement exchange, then raises.  The
+    group agreed on nothing before, so no peer can have skipped the check: the message names only a
+    stuck or gone peer, not ranks called with different arguments."""
     if dist.get_rank() == 1:
         time.sleep(STUCK_S)
         return
     q, k, v = _qkv(s=6)
     err, seconds = _timed(lambda: striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S))
-    _expect(err, seconds, TimeoutError, "rank 0 of the group waited more than 2 s", "check their arguments")
+    _expect(err, seconds, TimeoutError, "ring_attention: rank 0 of the group waited more than 2 s",
+            "check their arguments", "a peer is stuck or gone", "has not reached this call")
+    assert "different arguments" not in str(err) and "skipped" not in str(err), str(err)
+
+
+def stuck_before_later_agreement(group):
+    """Both ranks agree once; then rank 1 stalls while rank 0 calls with a new signature: the
+    timeout's message names both causes (a stuck peer, or one that skipped the check)."""
+    q, k, v = _qkv()
+    striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S)
+    if dist.get_rank() == 1:
+        time.sleep(STUCK_S)
+        return
+    q, k, v = _qkv(s=6)
+    err, seconds = _timed(lambda: striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S))
+    _expect(err, seconds, TimeoutError, "rank 0 of the group waited more than 2 s", "a peer is stuck or gone",
+            "skipped the check", "different arguments")
 
 
 def error_while_peer_skips_check(group):
@@ -90,7 +109,8 @@ def error_while_peer_skips_check(group):
     _expect(err, seconds, ValueError, "softmax_scale=-1.0 must be positive")
 
 
-SCENARIOS = [stuck_in_forward, stuck_in_backward, stuck_before_agreement, error_while_peer_skips_check]
+SCENARIOS = [stuck_in_forward, stuck_in_backward, stuck_before_agreement, stuck_before_later_agreement,
+             error_while_peer_skips_check]
 
 
 def run_scenario(name):
