@@ -49,6 +49,7 @@ _UNSET = object()
 #: from being reused by another batch's meanwhile; a few entries cover the requests built ahead
 _READ_BOUNDS: collections.deque = collections.deque(maxlen=4)
 _DERIVED = 8  # derived requests (documents, windows) kept per request: a few batches' worth
+_CALLS = 16  # checked calls (shapes, dtype, device) kept per request: the shapes of a few batches
 
 
 def window_of(window_size=None, sliding_window=None, causal: bool = True):
@@ -208,6 +209,8 @@ class RingRequest:
         key = (q.shape, k.shape, v.shape, q.dtype, q.device)
         call = self._calls.get(key)
         if call is None:
+            if len(self._calls) >= _CALLS:  # rows of many lengths (variable-length batches): the oldest goes
+                self._calls.pop(next(iter(self._calls)))
             call = self._calls[key] = self._build_call(q, k, v, group)
         gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
         # the environment may change between calls: the strict block form is read each time

@@ -293,3 +293,15 @@ def test_core_reads_a_cu_seqlens_tensor_once_per_batch(monkeypatch):
     cu[1] = 6
     assert base.derive(cu_seqlens=cu).bounds == (0, 6, 12) and reads == [1, 1]
     assert RingRequest(None, cu_seqlens=torch.tensor([0, 7, 12])).bounds == (0, 7, 12) and len(reads) == 3
+
+
+def test_checked_calls_per_request_are_bounded(monkeypatch):
+    """Batches of ever new lengths (variable-length rows) keep a bounded number of checked calls per
+    request, the newest ones."""
+    monkeypatch.setattr(request_mod.dist, "get_world_size", lambda group=None: 2)
+    req = RingRequest(None, backend="math")
+    for s in range(1, 41):
+        q = torch.zeros(1, s, 2, 4)
+        req._prepare(q, q, q, None)
+    assert len(req._calls) == request_mod._CALLS
+    assert (torch.Size([1, 40, 2, 4]),) * 3 == next(reversed(req._calls))[:3]
