@@ -88,7 +88,12 @@ def algo_of(args) -> str:
 
 
 #: the flags :func:`add_arguments` adds (each one the parser lacks)
-_FLAGS = ("--context-parallel-algo", "--striped-stripe-size", "--striped-doc-placement", "--context-parallel-timeout-s")
+_FLAGS = ("--context-parallel-algo", "--striped-stripe-size", "--striped-doc-placement", "--context-parallel-timeout-s",
+          "--striped-calibrate")
+#: ``--striped-calibrate`` asked for and not yet done in this process: module-level because
+#: validate_args (which reads the flag, before any process group exists) and the first core
+#: attention built (which has the CP group, before any batch is placed) are apart
+_CALIBRATION = {"pending": False}
 
 
 def add_arguments(parser):
@@ -138,6 +143,14 @@ def add_arguments(parser):
         help="--context-parallel-algo striped on packed THD rows (--sft): 'split' stripes every "
         "document over all CP ranks; an integer L keeps documents of at most L tokens whole on one "
         "rank (dealt by a balancing solver) and stripes the rest; 'auto' lets the cost model pick L.",
+    )
+    add(
+        "--striped-calibrate",
+        action="store_true",
+        help="Time the attention kernel on each CP group's first rank when the model is built and give "
+        "every rank that cost model (instead of the table's; on GPUs a prediction) for the 'auto' "
+        "choices (--striped-stripe-size auto with --sft, --striped-doc-placement auto) and the "
+        "packed plans' schedules. A few seconds, once.",
     )
     add(
         "--context-parallel-timeout-s",
@@ -219,10 +232,14 @@ def validate_args(args) -> None:
     algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
     key = algo_of(args)  # the striped flags: valid, and with striped only
     if ALGOS[algo_name(algo)] is None:
+        if getattr(args, "striped_calibrate", False):
+            raise ValueError(f"--striped-calibrate calibrates the cost model of the striped_sp engine, which "
+                             f"--context-parallel-algo {algo} does not run: drop it or choose striped, zigzag or ring")
         return
     flag = f"--context-parallel-algo {algo}"
     _check_striped_flags(args, key)
     _apply_timeout(args)
+    _CALIBRATION["pending"] = bool(getattr(args, "striped_calibrate", False))
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if cp < 2:
         raise ValueError(
@@ -352,6 +369,13 @@ def _check_striped_flags(args, key: str) -> None:
         raise ValueError(
             f"{place} needs packed THD rows (--sft) to place documents; without them it would do "
             "nothing: add --sft or drop the flag (--striped-doc-placement split)")
+
+
+def take_calibration() -> bool:
+    """Whether ``--striped-calibrate`` is pending in this process (then no longer): the first core
+    attention built calibrates, on its CP group, before any batch is placed."""
+    pending, _CALIBRATION["pending"] = _CALIBRATION["pending"], False
+    return pending
 
 
 def _apply_timeout(args) -> None:

@@ -24,10 +24,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..engine.agreement import agreeing
+from ..engine.calibration import calibrate_cost_model
 from ..plan.layouts import get_layout, positions
 from ..engine.request import RingRequest
 from . import packed
-from .arguments import kernel_backend_of, layout_of
+from .arguments import kernel_backend_of, layout_of, take_calibration
 
 __all__ = ["ContextParallelAttention", "ContextParallelAttentionTEState"]
 
@@ -139,6 +140,10 @@ class ContextParallelAttention(MegatronModule):
         self.num_attention_heads_per_partition = config.num_attention_heads // tp_size
         self.num_query_groups_per_partition = max(1, config.num_query_groups // tp_size)
         self.hidden_size_per_partition = self.value_head_dim * self.num_attention_heads_per_partition
+
+        if take_calibration():  # --striped-calibrate: the first layer built, on every rank, before any batch
+            calibrate_cost_model(group=self.cp_group, backend=self.backend, head_dim=head_dim,
+                                 dtype=getattr(config, "params_dtype", None) if torch.cuda.is_available() else None)
 
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them
         # back inside the fp32 softmax: the net scale is the plain one.

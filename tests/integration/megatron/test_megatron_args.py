@@ -29,7 +29,7 @@ def test_flag_default_and_choices():
 
 
 STRIPED_FLAGS = ["--context-parallel-algo", "--striped-stripe-size", "--striped-doc-placement",
-                 "--context-parallel-timeout-s"]
+                 "--context-parallel-timeout-s", "--striped-calibrate"]
 
 
 @pytest.mark.parametrize("present", [1, 2, 3])
@@ -46,15 +46,17 @@ def test_flags_added_to_a_parser_that_has_some_of_them(present, into_group):
     assert sm.add_arguments(target) is target
     assert sm.add_arguments(target) is target
     argv = ["--context-parallel-algo", "striped", "--striped-stripe-size", "4", "--striped-doc-placement", "auto",
-            "--context-parallel-timeout-s", "9"]
+            "--context-parallel-timeout-s", "9", "--striped-calibrate"]
     ns = parser.parse_args(argv)
-    got = [ns.context_parallel_algo, ns.striped_stripe_size, ns.striped_doc_placement, ns.context_parallel_timeout_s]
-    ours = ["striped", 4, "auto", 9.0]  # parsed by our types
+    got = [ns.context_parallel_algo, ns.striped_stripe_size, ns.striped_doc_placement, ns.context_parallel_timeout_s,
+           ns.striped_calibrate]
+    ours = ["striped", 4, "auto", 9.0, True]  # parsed by our types
     assert got == [str(x) if flag in own else x for flag, x in zip(STRIPED_FLAGS, ours)]
     defaults = vars(parser.parse_args([]))
     for flag in own:
         assert defaults[flag[2:].replace("-", "_")] == "theirs", flag
-    ours_default = {"--striped-doc-placement": "split", "--context-parallel-timeout-s": None}
+    ours_default = {"--striped-doc-placement": "split", "--context-parallel-timeout-s": None,
+                    "--striped-calibrate": False}
     for flag, value in ours_default.items():
         if flag not in own:
             assert defaults[flag[2:].replace("-", "_")] == value, flag

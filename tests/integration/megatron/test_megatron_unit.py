@@ -568,3 +568,38 @@ def test_install_reaches_by_name_copies_in_loaded_scripts(monkeypatch):
     finally:
         sm.uninstall()
     assert script.get_batch_on_this_cp_rank is original is core_utils.get_batch_on_this_cp_rank
+
+
+def test_striped_calibrate_times_the_kernel_once_when_the_model_is_built(monkeypatch):
+    """--striped-calibrate: validate_args asks for it (refused with native, which does not run this
+    engine); the first core attention built calibrates on its CP group, once per process, and every
+    plan and auto choice for that kernel on this device then uses the measured model."""
+    import types as _types
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from striped_sp.engine import calibration
+    from striped_sp.megatron import arguments, attention
+    from striped_sp.plan import cost, search
+
+    args = _types.SimpleNamespace(context_parallel_algo="striped", context_parallel_size=2, seq_length=64,
+                                  striped_calibrate=True)
+    with pytest.raises(ValueError, match="--striped-calibrate .* native"):
+        sm.validate_args(_types.SimpleNamespace(context_parallel_algo="native", striped_calibrate=True))
+    calls = []
+    real = calibration.calibrate_cost_model
+    monkeypatch.setattr(attention, "calibrate_cost_model", lambda **kw: calls.append(kw) or real(**kw))
+    search._placed_runs.cache_clear()  # no batch placed yet in this process
+    try:
+        sm.validate_args(args)
+        kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        for layer in range(3):
+            sm.ContextParallelAttention(_config(), **{**kw, "layer_number": layer + 1})
+        assert len(calls) == 1 and calls[0]["backend"] == "auto" and calls[0]["head_dim"] == 8, calls
+        model = cost.model_for("torch", "cpu")
+        assert model.measured and model.label == "torch@cpu" and cost.default_model() is model
+        sm.validate_args(_types.SimpleNamespace(**{**vars(args), "striped_calibrate": False}))
+        sm.ContextParallelAttention(_config(), **kw)
+        assert len(calls) == 1  # without the flag: nothing more
+    finally:
+        cost.use_model(None)
+        arguments._CALIBRATION["pending"] = False
