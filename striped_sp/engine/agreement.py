@@ -173,7 +173,7 @@ def gather_rows(group, values: Sequence[int], *, what: str, device: torch.device
         group = dist.group.WORLD
     device = torch.device("cpu") if device is None else torch.device(device)
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
-    return _all_gather(mine, group, timeout, what).tolist()
+    return _all_gather(mine, group, timeout, what, skipped=False).tolist()  # every caller meets every time
 
 
 def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_attention",

@@ -96,6 +96,22 @@ def stuck_before_later_agreement(group):
             "skipped the check", "different arguments")
 
 
+def stuck_before_batch_check(group):
+    """The data loader's same-batch check meets on every call (no cache, nothing to skip): a stuck
+    peer's timeout names only a stuck or gone peer, even after earlier checks passed."""
+    from striped_sp.engine.agreement import gather_rows
+
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    gather_rows(group, [1, 2], what="check_same_batch", timeout=timeout)
+    if dist.get_rank() == 1:
+        time.sleep(STUCK_S)
+        return
+    err, seconds = _timed(lambda: gather_rows(group, [1, 2], what="check_same_batch", timeout=timeout))
+    _expect(err, seconds, TimeoutError, "check_same_batch: rank 0 of the group waited more than 2 s",
+            "a peer is stuck or gone")
+    assert "different arguments" not in str(err) and "skipped" not in str(err), str(err)
+
+
 def error_while_peer_skips_check(group):
     """Rank 1 calls with an agreed signature (no exchange) while rank 0's own check fails: rank 0
     raises its own ValueError after the timeout, rank 1 a TimeoutError in the ring."""
@@ -109,8 +125,8 @@ def error_while_peer_skips_check(group):
     _expect(err, seconds, ValueError, "softmax_scale=-1.0 must be positive")
 
 
-SCENARIOS = [stuck_in_forward, stuck_in_backward, stuck_before_agreement, stuck_before_later_agreement,
-             error_while_peer_skips_check]
+SCENARIOS = [stuck_in_forward, stuck_in_backward, stuck_before_agreement, stuck_before_batch_check,
+             stuck_before_later_agreement, error_while_peer_skips_check]
 
 
 def run_scenario(name):
