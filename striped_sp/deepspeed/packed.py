@@ -235,13 +235,17 @@ def batch_bounds(cu_q, cu_k=None) -> tuple[int, ...] | None:
     """The global document boundaries of ``cu_q`` / ``cu_k`` (``cu_seq_lens_q`` / ``_k``, or a
     layer's ``cu_seqlens``; ``None`` without either) as a tuple of ints, read on the host once per
     batch: a call with the same tensor objects, unmodified since (their ``_version``), returns the
-    last result without reading them again.  ``ValueError`` when both are given and differ."""
+    last result without reading them again (lists and inference-mode tensors, which carry no
+    version, are read every time).  ``ValueError`` when both are given and differ."""
     global _LAST_BOUNDS
     if cu_q is None and cu_k is None:
         return None
-    versions = tuple(getattr(t, "_version", None) for t in (cu_q, cu_k))
+    given = [t for t in (cu_q, cu_k) if t is not None]
+    # only tensors with a version counter can be recognised unchanged (not lists, not inference tensors)
+    tracked = all(isinstance(t, torch.Tensor) and not t.is_inference() for t in given)
+    versions = tuple(None if t is None else t._version for t in (cu_q, cu_k)) if tracked else None
     last = _LAST_BOUNDS
-    if last is not None and last[0] is cu_q and last[1] is cu_k and last[2] == versions:
+    if tracked and last is not None and last[0] is cu_q and last[1] is cu_k and last[2] == versions:
         return last[3]
     if cu_q is not None and cu_k is not None:
         same = (torch.equal(cu_q, cu_k) if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
@@ -250,7 +254,7 @@ def batch_bounds(cu_q, cu_k=None) -> tuple[int, ...] | None:
             raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: causal self-attention over packed documents "
                              "needs one set of boundaries (of the global row)")
     bounds = as_bounds(cu_q if cu_k is None else cu_k)
-    _LAST_BOUNDS = (cu_q, cu_k, versions, bounds)
+    _LAST_BOUNDS = (cu_q, cu_k, versions, bounds) if tracked else None
     return bounds
 
 

@@ -207,8 +207,10 @@ class RingRequest:
                 f"cu_seqlens needs batch size 1 (one packed row, the THD convention), got batch {q.size(0)}: "
                 "pack the rows into one, or call once per row")
         key = (q.shape, k.shape, v.shape, q.dtype, q.device)
-        call = self._calls.get(key)
-        if call is None:
+        call = self._calls.pop(key, None)  # re-inserted below: the least recently used goes first
+        if call is not None:
+            self._calls[key] = call
+        else:
             if len(self._calls) >= _CALLS:  # rows of many lengths (variable-length batches): the oldest goes
                 self._calls.pop(next(iter(self._calls)))
             call = self._calls[key] = self._build_call(q, k, v, group)
@@ -325,8 +327,9 @@ def _value_columns(out: torch.Tensor, value_dim: int) -> torch.Tensor:
 def batch_bounds(cu_seqlens) -> tuple[int, ...]:
     """``cu_seqlens`` as a tuple of ints (:func:`~striped_sp.plan.masks.as_bounds`); a tensor is read
     on the host once per batch: the same tensor object, unmodified since (its ``_version``), is
-    not read again by the next layers."""
-    if not isinstance(cu_seqlens, torch.Tensor):
+    not read again by the next layers (an inference-mode tensor, which has no version, and a
+    list are read every time)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_inference():  # lists: no version to see a change
         return as_bounds(cu_seqlens)
     for seen, version, bounds in _READ_BOUNDS:
         if seen is cu_seqlens and seen._version == version:

@@ -96,6 +96,8 @@ class Transfer:
         ring = self._ring
         timeout = ring.timeout if ring is not None and self._received and self._received[0].device.type == "cpu" \
             else None
+        # NCCL coalesces a batch of sends and receives into one work: which of them failed is unknown
+        coalesced = len(self._requests) != len(self._sent) + len(self._received)
         for i, req in enumerate(self._requests):
             try:
                 if timeout is None:
@@ -105,7 +107,8 @@ class Transfer:
             except RuntimeError as err:  # a timeout, or a peer gone mid-transfer ("Connection closed by peer")
                 if ring is None:
                     raise
-                raise ring.stuck_error(self._what, sending=i < len(self._sent), err=err, peers=self._peers,
+                raise ring.stuck_error(self._what, sending=None if coalesced else i < len(self._sent), err=err,
+                                       peers=self._peers,
                                        waited=timeout is not None) from err
         self._sent = []
         return self._received
@@ -162,19 +165,21 @@ class TorchTransport(Transport):
         try:
             requests = dist.batch_isend_irecv(ops)
         except RuntimeError as err:  # a peer already gone: gloo refuses the post ("Connection closed by peer")
-            raise self.stuck_error(what, sending=None, err=err, peers=(to, frm), waited=False) from err
+            raise self.stuck_error(what, sending=None, err=err, peers=(to, frm), waited=False, posting=True) from err
         return Transfer(requests, sent, received, self, what, peers=(to, frm))
 
     def stuck_error(self, what: str, sending: bool | None, err: BaseException,
-                    peers: tuple[int, int] | None = None, waited: bool = True) -> Exception:
+                    peers: tuple[int, int] | None = None, waited: bool = True, posting: bool = False) -> Exception:
         """The error for a transfer that failed or timed out: names this rank, the peer and the step.
-        ``sending``: the send failed (``False``: the receive; ``None``: the post of both);
+        ``sending``: the send failed (``False``: the receive; ``None``: either, as one coalesced
+        transfer (NCCL), or ``posting`` it);
         ``peers``: ``(to, frm)`` (default: the next and previous ranks); ``waited``: the wait had
         the ring timeout (gloo), else the process group's own applied."""
         to, frm = peers if peers is not None else (self.next_rank, self.prev_rank)
         me = f"rank {dist.get_rank()} (rank {self.rank} of its CP group of {self.world_size})"
         peer = (f"sending to rank {to}" if sending else f"receiving from rank {frm}" if sending is False
-                else f"posting the transfer to rank {to} and from rank {frm}")
+                else f"posting the transfer to rank {to} and from rank {frm}" if posting
+                else f"in the transfer to rank {to} and from rank {frm}")
         text = str(err)
         if "imed out" in text or "timeout" in text:
             waited_for = (f"more than {self.timeout.total_seconds():g} s" if waited and self.timeout is not None

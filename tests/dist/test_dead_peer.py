@@ -145,3 +145,15 @@ def test_cut_short_ring_names_its_real_peers(monkeypatch):
                            "to rank 13 and from rank 14 in forward step 1 of 3"), text
     assert "that peer is gone" in text and got.value.__cause__ is gone, text
     _no_neighbours(text)
+
+
+def test_a_coalesced_transfer_names_both_peers(monkeypatch):
+    """NCCL returns one work for a batch of sends and receives: a failure there cannot say which
+    failed, so the error names both peers (not 'sending to' the wrong one)."""
+    gone = RuntimeError("NCCL error: remote process exited or there was a network error")
+    transfer = _shift(_cut_short_ring(monkeypatch, lambda ops: [_Work(gone)]))
+    with pytest.raises(RuntimeError) as got:
+        transfer.wait()
+    text = str(got.value)
+    assert "failed in the transfer to rank 13 and from rank 14 in forward step 1 of 3" in text, text
+    _no_neighbours(text)

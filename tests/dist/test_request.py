@@ -297,11 +297,34 @@ def test_core_reads_a_cu_seqlens_tensor_once_per_batch(monkeypatch):
 
 def test_checked_calls_per_request_are_bounded(monkeypatch):
     """Batches of ever new lengths (variable-length rows) keep a bounded number of checked calls per
-    request, the newest ones."""
+    request: the least recently used go first (a shape used again stays)."""
     monkeypatch.setattr(request_mod.dist, "get_world_size", lambda group=None: 2)
     req = RingRequest(None, backend="math")
-    for s in range(1, 41):
+
+    def call(s):
         q = torch.zeros(1, s, 2, 4)
         req._prepare(q, q, q, None)
-    assert len(req._calls) == request_mod._CALLS
-    assert (torch.Size([1, 40, 2, 4]),) * 3 == next(reversed(req._calls))[:3]
+
+    n = request_mod._CALLS
+    for s in range(1, n + 1):
+        call(s)
+    call(1)  # a hit: now the most recently used
+    for s in range(n + 1, n + 4):
+        call(s)
+    kept = sorted(key[0][1] for key in req._calls)
+    assert kept == [1, *range(5, n + 4)], kept  # 2, 3, 4 went first, not the shape used again
+
+
+def test_cu_seqlens_made_in_inference_mode_or_as_a_list():
+    """Tensors made under torch.inference_mode() have no version counter, lists none either: both are
+    read as they are each time (a list changed in place gives its new bounds)."""
+    from striped_sp.deepspeed.packed import batch_bounds as ds_bounds
+
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5, 12])
+    assert RingRequest(None, cu_seqlens=cu).bounds == (0, 5, 12) == RingRequest(None).derive(cu_seqlens=cu).bounds
+    assert ds_bounds(cu) == (0, 5, 12) == ds_bounds(cu, cu)
+    listed = [0, 4, 12]
+    assert ds_bounds(listed) == (0, 4, 12) == request_mod.batch_bounds(listed)
+    listed[1] = 8
+    assert ds_bounds(listed) == (0, 8, 12) == request_mod.batch_bounds(listed)
