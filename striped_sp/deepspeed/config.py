@@ -51,7 +51,7 @@ class ContextParallelSettings:
     #: the ring timeout in seconds (:func:`striped_sp.engine.transport.set_ring_timeout`, applied when the model is
     #: adapted); ``None``: ``$STRIPED_SP_RING_TIMEOUT_S`` or 600
     timeout_s: float | None = None
-    #: calibrate the kernel's cost model for ``auto`` choices on the group's first rank when the model
+    #: calibrate the kernel's cost model for ``auto`` choices on global rank 0 when the model
     #: is adapted, and adopt it on every rank (:func:`striped_sp.calibrate_cost_model`)
     calibrate: bool = False
     #: striped only: tokens dealt to ranks in stripes of this many (1: token by token)

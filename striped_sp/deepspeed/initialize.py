@@ -131,10 +131,12 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
         from ..engine.transport import set_ring_timeout
 
         set_ring_timeout(settings.timeout_s)
-    if settings.calibrate:  # context_parallel.calibrate: one model for the group, before any batch
+    if settings.calibrate:  # context_parallel.calibrate: one model for every rank, before any batch
         from ..engine.calibration import calibrate_cost_model
 
-        calibrate_cost_model(group=groups.group, backend=settings.backend)
+        # over every rank (every rank calls initialize), not the SP group: ranks that shard batches
+        # by the same `auto` choices in other SP groups (tensor-parallel peers) must hold one model
+        calibrate_cost_model(group=None, backend=settings.backend)
     _swap_deepspeed_attention(model, settings)
     hierarchical = ulysses_groups(groups, settings.ulysses_size)
     ours = [m for m in model.modules() if isinstance(m, DistributedAttention)]

@@ -240,6 +240,13 @@ def validate_args(args) -> None:
     _check_striped_flags(args, key)
     _apply_timeout(args)
     _CALIBRATION["pending"] = bool(getattr(args, "striped_calibrate", False))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if _CALIBRATION["pending"] and pp > 1:
+        _CALIBRATION["pending"] = False
+        raise ValueError(f"--striped-calibrate with --pipeline-model-parallel-size {pp}: the calibration is one "
+                         "exchange over every rank when the model is built, which a pipeline stage without attention "
+                         "layers would never join: drop --striped-calibrate (the table's model decides) or use "
+                         "--pipeline-model-parallel-size 1")
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if cp < 2:
         raise ValueError(

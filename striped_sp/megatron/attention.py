@@ -142,7 +142,10 @@ class ContextParallelAttention(MegatronModule):
         self.hidden_size_per_partition = self.value_head_dim * self.num_attention_heads_per_partition
 
         if take_calibration():  # --striped-calibrate: the first layer built, on every rank, before any batch
-            calibrate_cost_model(group=self.cp_group, backend=self.backend, head_dim=head_dim,
+            # over every rank (not the CP group): tensor- and data-parallel peers shard the same or their
+            # own batches by the same `auto` choices, so all must hold one model (validate_args
+            # refuses pipeline parallelism, where a stage might build no attention and never join)
+            calibrate_cost_model(group=None, backend=self.backend, head_dim=head_dim,
                                  dtype=getattr(config, "params_dtype", None) if torch.cuda.is_available() else None)
 
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them

@@ -389,6 +389,27 @@ def _case_engine_dp2_sp2(algo):
         assert rel_err(g, ref_grads[name]) < 1e-5, name
 
 
+def _case_engine_calibrate_dp2_sp2():
+    """context_parallel.calibrate on 2 data-parallel replicas x SP 2: one model, timed on rank 0 and
+    adopted by all four ranks (not one per SP group), measured for the kernel that runs."""
+    from striped_sp.deepspeed import initialize
+    from striped_sp.plan import cost
+
+    model = _tiny_llama(seed=3)
+    cfg = _ds_config(2, "striped")
+    cfg["context_parallel"]["calibrate"] = True
+    try:
+        initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+        adopted = cost.default_model()
+        assert adopted.measured and adopted.label == "torch@cpu", adopted
+        mine = torch.tensor([adopted.ns_per_entry, adopted.causal_waste, adopted.call_ns], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(4)]
+        dist.all_gather(every, mine)
+        assert all(torch.equal(e, every[0]) for e in every), every
+    finally:
+        cost.use_model(None)
+
+
 # -------------------------------------------------------------------------------- errors
 
 
@@ -425,7 +446,8 @@ CASES += [("engine_loader_swap", _case_engine_loader_and_swap, ()), ("errors", _
 CASES += [("engine_unshifted_labels", _case_engine_refuses_unshifted_labels, ())]
 
 
-CASES4 = [("setup", _setup, ()), ("engine_dp2_sp2_striped", _case_engine_dp2_sp2, ("striped",))]
+CASES4 = [("setup", _setup, ()), ("engine_calibrate_dp2_sp2", _case_engine_calibrate_dp2_sp2, ()),
+          ("engine_dp2_sp2_striped", _case_engine_dp2_sp2, ("striped",))]
 
 
 @pytest.fixture(scope="module")

@@ -585,16 +585,23 @@ def test_striped_calibrate_times_the_kernel_once_when_the_model_is_built(monkeyp
                                   striped_calibrate=True)
     with pytest.raises(ValueError, match="--striped-calibrate .* native"):
         sm.validate_args(_types.SimpleNamespace(context_parallel_algo="native", striped_calibrate=True))
+    with pytest.raises(ValueError, match="--striped-calibrate with --pipeline-model-parallel-size 2"):
+        sm.validate_args(_types.SimpleNamespace(**{**vars(args), "pipeline_model_parallel_size": 2}))
+    assert not arguments._CALIBRATION["pending"]
     calls = []
     real = calibration.calibrate_cost_model
     monkeypatch.setattr(attention, "calibrate_cost_model", lambda **kw: calls.append(kw) or real(**kw))
     search._placed_runs.cache_clear()  # no batch placed yet in this process
     try:
         sm.validate_args(args)
-        kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        cp = _types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)  # a CP group (of 2 of the ranks)
+        pgc = _types.SimpleNamespace(cp=cp, tp=_types.SimpleNamespace(size=lambda: 1))
+        kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", pg_collection=pgc)
         for layer in range(3):
             sm.ContextParallelAttention(_config(), **{**kw, "layer_number": layer + 1})
-        assert len(calls) == 1 and calls[0]["backend"] == "auto" and calls[0]["head_dim"] == 8, calls
+        # over every rank (group None): tensor-parallel peers in other CP groups shard by the same model
+        assert len(calls) == 1 and calls[0]["group"] is None, calls
+        assert calls[0]["backend"] == "auto" and calls[0]["head_dim"] == 8, calls
         model = cost.model_for("torch", "cpu")
         assert model.measured and model.label == "torch@cpu" and cost.default_model() is model
         sm.validate_args(_types.SimpleNamespace(**{**vars(args), "striped_calibrate": False}))
