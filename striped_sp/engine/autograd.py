@@ -25,7 +25,8 @@ import torch
 
 from ..kernels import accumulator_dtype
 from ..plan.ring_plan import RingPlan
-from .step import Accumulator, backward_step, forward_step, from_format, to_format
+from .run_order import from_run_format, rows_in, to_run_format
+from .step import Accumulator, backward_step, forward_step
 from .transport import Transport, drive
 
 __all__ = ["RingAttention", "forward_steps", "backward_steps"]
@@ -64,7 +65,7 @@ def forward_steps(q, k, v, plan: RingPlan, transport: Transport):
     converted once here (K/V travel in it), the output once on the way out; masked plans run in
     ``[b, s, h, d]`` on the caller's tensors."""
     kernel, scale, fmt = plan.kernel, plan.scale, plan.fmt
-    qn, k_cur, v_cur = (to_format(t, fmt) for t in (q, k, v))
+    qn, k_cur, v_cur = (to_run_format(t, plan.order, fmt) for t in (q, k, v))  # plan.order: engine/run_order.py
     acc = Accumulator(qn, masked=plan.masked, fmt=fmt, value_dim=v.size(-1))
     for step in range(plan.steps):
         transfer = _shift_kv(transport, k_cur, v_cur, step, plan, "forward")
@@ -80,7 +81,7 @@ def forward_steps(q, k, v, plan: RingPlan, transport: Transport):
             k_cur, v_cur = transfer.wait()
             transfer = None  # its requests hold the block sent on: free it before the next shift
     del qn, k_cur, v_cur
-    return from_format(acc.out, fmt, q.dtype), acc.lse
+    return from_run_format(acc.out, plan.inverse, fmt, q.dtype), rows_in(plan.inverse, acc.lse, dim=2)[0]
 
 
 def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport):
@@ -96,6 +97,8 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
     strided view (``[s, b, ...]`` storage with ``b > 1``) copies the whole tensor each time."""
     kernel, scale, steps, shared = plan.kernel, plan.scale, plan.steps, plan.shared
     n, rank = plan.world_size, plan.rank
+    dout, q, k, v, out = rows_in(plan.order, dout, q, k, v, out)  # the plan's run order (engine/run_order.py)
+    lse, = rows_in(plan.order, lse, dim=2)
     if plan.masked:
         dout, q, k, v = (t.contiguous() for t in (dout, q, k, v))
     acc = accumulator_dtype(q.dtype)  # float32; float64 for float64 inputs
@@ -144,7 +147,7 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
         if own_tail is not None and own_tail[0].size(1):
             dk_acc = torch.cat([dk_acc.to(own_tail[0].dtype), own_tail[0]], 1)
             dv_acc = torch.cat([dv_acc.to(own_tail[1].dtype), own_tail[1]], 1)
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return rows_in(plan.inverse, dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype))
 
 
 class RingAttention(torch.autograd.Function):

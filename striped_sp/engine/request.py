@@ -251,12 +251,12 @@ class RingRequest:
 
     def _mask(self, local_len: int, n: int) -> MaskSpec | None:
         """The checked mask of the global row, or ``None`` when it is the plain (causal or full) one
-        and the layout has dense plans for it (the hierarchical ring always runs masked plans)."""
+        and the layout has dense plans for it (the hierarchical ring's too: plan/grouped.py)."""
         mask = None
-        if self.hierarchical or self.bounds is not None or self.window is not None or not self.layout.dense_plans:
+        if self.bounds is not None or self.window is not None or not self.layout.dense_plans:
             mask = make_mask(local_len * n, n, self.layout, self.bounds, self.window, self.causal)
             plain = mask.bounds == (0, mask.seq_len) and mask.left == -1 and mask.right == (0 if self.causal else -1)
-            if plain and self.layout.dense_plans and not self.hierarchical:
+            if plain and self.layout.dense_plans:
                 mask = None
         return mask
 

@@ -69,6 +69,7 @@ class Accumulator:
         self.shape, self.fmt = torch.Size((*q.shape[:-1], value_dim or q.size(-1))), fmt
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
+        self.merge = merge_block
         if masked:
             # Under a mask the varlen calls merge rows straight into these (logaddexp merge).
             b, s, h = (q.size(0), q.size(1), q.size(2)) if fmt == "bshd" else (q.size(0), q.size(2), q.size(1))
@@ -80,12 +81,17 @@ class Accumulator:
         if self.out is None:
             # The first call is the diagonal block (source == rank), which every layout runs
             # over all local queries; starting from it avoids -inf arithmetic.
-            if block_out.shape != self.shape:
-                raise RuntimeError("the first ring block must cover every local query")
-            self.out = block_out.to(accumulator_dtype(block_out.dtype))
-            self.lse = block_lse.clone(memory_format=torch.contiguous_format)
-            return
-        merge_block(seq_slice(self.out, q_rows, self.fmt), self.lse[:, :, q_rows], block_out, block_lse, self.fmt)
+            if block_out.shape == self.shape:
+                self.out = block_out.to(accumulator_dtype(block_out.dtype))
+                self.lse = block_lse.clone(memory_format=torch.contiguous_format)
+                return
+            # a grouped ring's diagonal is one call per Ulysses member (plan/grouped.py), each over
+            # its own rows: start from empty rows and merge with the -inf-safe update
+            self.out = torch.zeros(self.shape, dtype=accumulator_dtype(block_out.dtype), device=block_out.device)
+            b, h, s = block_lse.size(0), block_lse.size(1), self.shape[1 if self.fmt == "bshd" else 2]
+            self.lse = torch.full((b, h, s), float("-inf"), dtype=self.out.dtype, device=block_out.device)
+            self.merge = merge_block_safe
+        self.merge(seq_slice(self.out, q_rows, self.fmt), self.lse[:, :, q_rows], block_out, block_lse, self.fmt)
 
 
 def _aligned(call, aligned: bool) -> bool:

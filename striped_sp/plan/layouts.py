@@ -131,6 +131,12 @@ class Layout:
         ``doc_placement``) lists its runs out of global order."""
         raise NotImplementedError
 
+    def run_order(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None):
+        """int64 ``[seq_len // world_size]`` when the engine runs this rank's rows in another order
+        than the caller holds them (run row ``p`` is the caller's row ``order[p]``), else ``None``
+        (the 1-D layouts; :class:`~striped_sp.plan.grouped.GroupedLayout` on a ring of one)."""
+        return None
+
     def ring_steps(self, world_size: int, local_len: int, mask=None) -> int:
         """How many ring steps can hold visible keys (``1 .. world_size``): at step ``t`` rank ``r``
         holds the keys of rank ``r - t``, and a causal window of ``left`` tokens never reaches

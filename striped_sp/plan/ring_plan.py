@@ -13,6 +13,9 @@ does no planning, no host<->device copy and no synchronisation:
   masks, or the native varlen calls' int32 cu_seqlens and row indices by window; all placed on the
   device with one copy (:class:`~striped_sp.kernels.arena.Arena`);
 * ``shared``: per rank, the leading rows the ring carries (``None``: all of them);
+* ``order`` / ``inverse``: the layout's :meth:`~striped_sp.plan.layouts.Layout.run_order` (int64
+  row indices on the device, placed with the plan) when the rows run in another order than the
+  caller's (a ring of one of hierarchical CP runs its gathered tokens in natural order), else ``None``;
 * ``fmt``: the tensor format of the forward (the kernel's own for dense plans, ``"bshd"`` masked);
   ``aligned``: the striped strict block in its aligned form;
 * ``entries[t]``: visible score entries of step ``t`` per batch row and head (the work);
@@ -57,6 +60,8 @@ class RingPlan:
     arena: Arena | None = None
     predicted_ms: tuple = ()
     cost_model: str = ""
+    order: torch.Tensor | None = None  # run row p is the caller's row order[p]
+    inverse: torch.Tensor | None = None  # the caller's row t is run row inverse[t]
 
     def launches(self, step: int) -> int:
         """Kernel calls of ``step`` per forward (the same per backward)."""
@@ -86,17 +91,19 @@ class HostPlan:
     entries: tuple
     causal: bool
     masked: bool
+    order: torch.Tensor | None = None  # the layout's run_order (CPU int64), None: the caller's order
 
 
 def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int,
                     local_len: int) -> HostPlan:
     """The :class:`HostPlan` of ``rank`` of ``world_size`` (``mask`` ``None``: the dense ring)."""
     n = local_len
+    order = layout.run_order(n * world_size, world_size, rank, None if mask is None else mask.bounds)
     if mask is None:
         calls = tuple(tuple(layout.plan(rank, (rank - t) % world_size, world_size, n, causal))
                       for t in range(world_size))
         entries = tuple(sum(c.score_entries(n) for c in step) for step in calls)
-        return HostPlan(world_size, rank, n, world_size, calls, None, entries, causal, masked=False)
+        return HostPlan(world_size, rank, n, world_size, calls, None, entries, causal, masked=False, order=order)
     steps = layout.ring_steps(world_size, n, mask)
     shared = None
     if steps > 1:
@@ -106,7 +113,7 @@ def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
             steps, shared = 1, None
     calls = tuple(tuple(step) for step in ring_plans(layout, mask, world_size, rank, steps))
     entries = tuple(sum(c.entries for c in step) for step in calls)
-    return HostPlan(world_size, rank, n, steps, calls, shared, entries, causal, masked=True)
+    return HostPlan(world_size, rank, n, steps, calls, shared, entries, causal, masked=True, order=order)
 
 
 def _predicted_ms(host: HostPlan, model) -> tuple:
@@ -166,18 +173,33 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
     device = torch.device(device)
     model = model_for(kernel.name, device.type)
     cost = dict(predicted_ms=_predicted_ms(host, model), cost_model=model.label)
+    arena = Arena()
+    order = _order_slots(host.order, arena)
     if not host.masked:
+        arena.place(device)
         return RingPlan(host.world_size, host.rank, host.local_len, host.steps, host.calls, None,
                         kernel.tensor_format, strict_block == "aligned", host.entries, kernel, scale, comm_dtype,
-                        masked=False, **cost)
-    arena = Arena()
+                        masked=False, arena=arena, **cost, **_placed(order))
     n = host.local_len
     programs = compile_steps(kernel, [[c.segments for c in step] for step in host.calls], batch, n, n, device, dtype,
                              head_dim, arena, _halving(model, heads, batch, head_dim),
                              _classes(model, heads, batch, head_dim))
     arena.place(device)
     return RingPlan(host.world_size, host.rank, n, host.steps, host.calls, host.shared, "bshd", False, host.entries,
-                    kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena, **cost)
+                    kernel, scale, comm_dtype, masked=True, programs=programs, arena=arena, **cost, **_placed(order))
+
+
+def _order_slots(order: torch.Tensor | None, arena: Arena):
+    """The run order and its inverse added to the plan's arena (they travel in its one copy)."""
+    if order is None:
+        return None
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return arena.add(order), arena.add(inverse)
+
+
+def _placed(slots) -> dict:
+    return {} if slots is None else dict(order=slots[0].t, inverse=slots[1].t)
 
 
 def build_ring_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int, local_len: int, *,
