@@ -402,6 +402,7 @@ def _case_engine_calibrate_dp2_sp2():
         initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
         adopted = cost.default_model()
         assert adopted.measured and adopted.label == "torch@cpu", adopted
+        assert adopted.ns_per_entry > 0, adopted  # a timing, not an untimed all-zero model every rank agrees on
         mine = torch.tensor([adopted.ns_per_entry, adopted.causal_waste, adopted.call_ns], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(4)]
         dist.all_gather(every, mine)
