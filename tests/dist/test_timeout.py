@@ -4,7 +4,13 @@ process died: tests/dist/test_dead_peer.py).
 
 Each scenario runs on its own gloo group (a timed-out gloo pair is closed for good); the default
 group only synchronises the scenarios.  run_cases bounds the whole run, so a regression fails the
-test instead of hanging the suite."""
+test instead of hanging the suite.
+
+Every timeout must be the ring's own (``timeout=2``), not the process group's: each error names the
+ring timeout ("more than 2 s") and comes within a few seconds of it.  The scenario groups get a
+timeout of their own, :data:`GROUP_TIMEOUT_S`, past the ring's and the stuck rank's sleep but far
+under the harness's 60 s, so a ring timeout that is not applied (say, tested on the wrong device
+type) shows in seconds, by its message ("past the process group's timeout") and its time."""
 
 import datetime
 import time
@@ -21,6 +27,10 @@ from striped_sp.engine import transport as ring
 SEED = seed_for(__name__)
 TIMEOUT_S = 2.0
 STUCK_S = TIMEOUT_S + 3.0  # the stuck rank sleeps past the other's timeout
+#: each scenario group's own gloo timeout: what a wait without the ring timeout would get
+GROUP_TIMEOUT_S = STUCK_S + 4.0
+#: the most a ring timeout may take beyond TIMEOUT_S to raise (under GROUP_TIMEOUT_S - TIMEOUT_S)
+LATE_S = 3.0
 
 
 def _qkv(s=8):
@@ -40,7 +50,10 @@ def _timed(fn):
 
 def _expect(err, seconds, kind, *parts):
     assert isinstance(err, kind), f"expected {kind.__name__}, got {err!r}"
-    assert seconds < TIMEOUT_S + 10, f"raised after {seconds:.1f} s, the timeout is {TIMEOUT_S} s"
+    if kind is TimeoutError:  # the ring's own timeout, not the group's
+        assert f"more than {TIMEOUT_S:g} s" in str(err), f"not the ring timeout of {TIMEOUT_S:g} s: {err}"
+        assert seconds >= TIMEOUT_S - 0.1, f"raised after {seconds:.1f} s, before the timeout of {TIMEOUT_S} s"
+    assert seconds < TIMEOUT_S + LATE_S, f"raised after {seconds:.1f} s, the timeout is {TIMEOUT_S} s"
     for part in parts:
         assert part in str(err), f"{part!r} not in: {err}"
 
@@ -131,7 +144,7 @@ SCENARIOS = [stuck_in_forward, stuck_in_backward, stuck_before_agreement, stuck_
 
 def run_scenario(name):
     """``name`` on a fresh group of both ranks (gloo's default group only synchronises)."""
-    group = dist.new_group([0, 1])
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     dist.barrier()
     {s.__name__: s for s in SCENARIOS}[name](group)
 
