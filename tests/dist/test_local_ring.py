@@ -18,6 +18,7 @@ from striped_sp.engine.request import RingRequest
 from striped_sp.engine.step import head_splits
 from striped_sp.engine.transport import LocalRing, run_local
 from striped_sp.kernels import KERNELS, TorchKernel
+from striped_sp.plan.cost import model_for
 
 pytestmark = pytest.mark.dist
 
@@ -189,8 +190,16 @@ def test_layers_of_a_batch_share_one_plan():
     plans = {id(plan_for(request.layout, mask, True, 8, 3, 32, kernel=kernel, scale=0.125)) for _ in range(5)}
     assert len(plans) == 1 and PLANS.builds == 2  # the host plan and its compilation, once
     plan = plan_for(request.layout, mask, True, 8, 3, 32, kernel=kernel, scale=0.125)
-    assert len(plan.predicted_ms) == plan.steps and all(ms > 0 for ms in plan.predicted_ms[:1])
     assert plan.cost_model == "cpu"  # PyTorch's CPU op: the measured model
+    # every step's prediction, by hand: rank 3 of 8 holds 13 tokens of document [0, 100) (100 = 8 x 12
+    # + 4: ranks 0-3 hold 13) and 19 of [100, 256) (it is that document's 8th rank: 156 = 8 x 19 + 4,
+    # its first 4 ranks hold 20).  Steps 0-3 bring ranks 3, 2, 1, 0: a 13 x 13 causal square of the
+    # first document; steps 4-7 ranks 7-4, later ranks: its strict block, 12 x 12.  The second
+    # document is a 19 x 19 causal square every step (no rank is later than rank 3 in it).
+    model = model_for("torch", "cpu")
+    want = [(model.call(13 if t < 4 else 12, 13 if t < 4 else 12, True) + model.call(19, 19, True)) / 1e6
+            for t in range(8)]
+    assert plan.steps == 8 and plan.predicted_ms == pytest.approx(want, rel=1e-9), (plan.predicted_ms, want)
 
 
 def test_plans_prepared_ahead_are_the_layers_plans():
