@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Kernel", "accumulator_dtype"]
+__all__ = ["Kernel", "accumulator_dtype", "head_dims", "flash2_window"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -45,6 +45,21 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of log-sum-exps and of the ring's accumulators (out, dQ, dK/dV) for inputs of
     ``dtype``: float64 for float64 (computed in float64 end to end), else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def head_dims(head_dim) -> tuple[int | None, int | None]:
+    """``(d, dv)``: the query/key and value head dims of a ``head_dim`` argument, which is an int
+    (both), a pair ``(d, dv)`` (multi-latent attention) or ``None`` (unknown)."""
+    if head_dim is None or isinstance(head_dim, int):
+        return head_dim, head_dim
+    d, dv = head_dim
+    return d, dv
+
+
+def flash2_window(wl: int | None, wr: int | None) -> tuple[int, int]:
+    """A window in the neutral form (``None`` = an open side) as flash-attn 2 and PyTorch's flash
+    varlen op take it (``-1`` = an open side)."""
+    return (-1 if wl is None else wl), (-1 if wr is None else wr)
 
 
 def _group_sum(dkv_expanded: torch.Tensor, kv_heads: int, dim: int = 2) -> torch.Tensor:
@@ -77,9 +92,25 @@ class Kernel:
     #: the output (:func:`striped_sp.ring_attention`)
     native_value_head_dim = False
 
-    def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
-        """``None`` when the kernel runs on ``device`` with ``dtype`` (and ``head_dim``), else why not."""
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim=None) -> str | None:
+        """``None`` when the kernel runs on ``device`` with ``dtype`` (and ``head_dim``: an int, or
+        ``(d, dv)`` where q/k and v head dims differ, see :func:`head_dims`), else why not."""
         raise NotImplementedError
+
+    def deterministic_reason(self, device: torch.device) -> str | None:
+        """Why this kernel has no deterministic backward on ``device`` (``None``: it has one,
+        :meth:`deterministic_variant`)."""
+        return None
+
+    def deterministic_variant(self) -> "Kernel":
+        """This kernel with a bitwise-reproducible backward (itself where that is already so)."""
+        return self
+
+    def kernel_class(self, device: torch.device, dtype: torch.dtype, head_dim=None, varlen: bool = False) -> str:
+        """Which class of kernel runs this backend's calls on ``device`` (``varlen``: its packed /
+        windowed calls): a name in :data:`striped_sp.kernels.AUTO_ORDER`, by which ``backend="auto"``
+        ranks the available backends."""
+        return self.name
 
     def causal_alignment(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str:
         """How a non-square causal call aligns its mask: ``"top_left"`` (query ``i`` sees keys
@@ -123,13 +154,16 @@ class Kernel:
         run through the schedule of direct and masked calls (:mod:`striped_sp.kernels.varlen`)."""
         return False
 
-    def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, wl: int, wr: int, scale: float):
+    def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, wl: int | None, wr: int | None,
+                          scale: float):
         """The kernel's varlen forward: ``q`` ``[T, h, d]``, ``k``/``v`` ``[Tk, kv_heads, d]``, int32
-        ``cu_q`` / ``cu_k``, flash-attn's bottom-right window ``(wl, wr)`` -> ``(out [T, h, d], lse [h, T])``."""
+        ``cu_q`` / ``cu_k``, ``max_q`` / ``max_k`` at least every segment's length, a bottom-right
+        aligned window ``(wl, wr)`` in the neutral form (``None`` = an open side; ``(None, 0)`` is
+        causal; :func:`flash2_window` gives flash-attn 2's ``-1`` form) -> ``(out [T, h, dv], lse [h, T])``."""
         raise NotImplementedError(f"backend {self.name!r} has no varlen entry point")
 
-    def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, wl: int, wr: int,
-                           scale: float):
+    def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, wl: int | None,
+                           wr: int | None, scale: float):
         """The kernel's varlen backward -> ``(dq, dk, dv)`` (kv heads not expanded)."""
         raise NotImplementedError(f"backend {self.name!r} has no varlen entry point")
 

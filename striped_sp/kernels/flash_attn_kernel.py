@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .base import _HALF_DTYPES, Kernel
+from .base import _HALF_DTYPES, Kernel, flash2_window, head_dims
 
 __all__ = ["FlashAttnKernel"]
 
@@ -55,6 +55,16 @@ def _call_with_supported_kwargs(fn: Callable, **kwargs):
     return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
+def _rng_state(q: torch.Tensor) -> torch.Tensor:
+    """The ``rng_state`` a backward call passes: int64 ``[2]`` (seed, offset) on ``q``'s device, the
+    shape and dtype flash-attn's forward returns it in.  flash-attn 2.7.4's backward kernel reads
+    its dropout state from ``params.rng_state`` whether or not it drops out (csrc
+    ``flash_bwd_kernel.h``), so ``None`` (a null pointer) is not safe even at dropout 0; without
+    dropout the values are never used.  The ring's backward runs long after the forward (whose
+    results are the merged ``out``/``lse``), so a zero state stands in for the forward's."""
+    return torch.zeros(2, dtype=torch.int64, device=q.device)
+
+
 class FlashAttnKernel(Kernel):
     """flash-attn 2's forward/backward (``flash_attn.flash_attn_interface``), GQA native.
 
@@ -83,9 +93,17 @@ class FlashAttnKernel(Kernel):
             return f"flash-attn runs on CUDA devices only, got device '{device}'"
         if dtype not in _HALF_DTYPES:
             return f"flash-attn needs float16 or bfloat16, got {dtype}"
-        if head_dim is not None and (head_dim % 8 != 0 or head_dim > 256):
-            return f"flash-attn needs head_dim a multiple of 8 and at most 256, got {head_dim}"
+        d, dv = head_dims(head_dim)
+        for dim in {d, dv} - {None}:
+            if dim % 8 != 0 or dim > 256:
+                return f"flash-attn needs head_dim a multiple of 8 and at most 256, got {dim}"
         return None
+
+    def deterministic_variant(self):
+        return self if self.deterministic else _DETERMINISTIC
+
+    def kernel_class(self, device, dtype, head_dim=None, varlen=False):
+        return "fa2"
 
     def causal_alignment(self, device, dtype, head_dim=None):
         version = _installed_version("flash_attn", "flash-attn")
@@ -111,7 +129,7 @@ class FlashAttnKernel(Kernel):
             dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
             dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-            deterministic=self.deterministic, rng_state=None,
+            deterministic=self.deterministic, rng_state=_rng_state(q),
         )
         return dq, dk, dv
 
@@ -127,6 +145,7 @@ class FlashAttnKernel(Kernel):
         return True
 
     def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        wl, wr = flash2_window(wl, wr)
         res = _call_with_supported_kwargs(
             self._module()._flash_attn_varlen_forward,
             q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
@@ -137,12 +156,16 @@ class FlashAttnKernel(Kernel):
         return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
 
     def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        wl, wr = flash2_window(wl, wr)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _call_with_supported_kwargs(
             self._module()._flash_attn_varlen_backward,
             dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
             softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl, window_size_right=wr,
-            softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=None,
+            softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=_rng_state(q),
         )
         return dq, dk, dv
+
+
+_DETERMINISTIC = FlashAttnKernel(deterministic=True)

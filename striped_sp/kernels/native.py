@@ -43,6 +43,11 @@ class _Group:
     q_span: tuple | None = None  # (first, count): the rows are first .. first + count - 1, in order
     k_span: tuple | None = None
 
+    @property
+    def window(self) -> tuple:
+        """``(wl, wr)`` as kernels take it: the neutral form, ``None`` for an open side."""
+        return (None if self.wl < 0 else self.wl), (None if self.wr < 0 else self.wr)
+
 
 class NativeCall:
     """A varlen call for kernels with a varlen entry point, compiled for batch size ``b`` and
@@ -69,7 +74,7 @@ class NativeCall:
         for g in self.groups:
             kg, vg = _take(kf, g.k_span, g.k_rows), _take(vf, g.k_span, g.k_rows)
             o, l = kernel.varlen_forward_op(_take(qf, g.q_span, g.q_rows), kg, vg, g.cu_q.t, g.cu_k.t, g.max_q,
-                                            g.max_k, g.wl, g.wr, scale)
+                                            g.max_k, *g.window, scale)
             o, l = o.unsqueeze(0), l[:, : g.total_q].to(lse_f.dtype).unsqueeze(0)
             if g.q_span is not None:
                 a, n = g.q_span
@@ -96,7 +101,7 @@ class NativeCall:
             lse_g = lf.narrow(1, *qs) if qs is not None else lf.index_select(1, qr.t)
             grads = kernel.varlen_backward_op(_take(dof, qs, qr), _take(qf, qs, qr), _take(kf, ks, kr),
                                               _take(vf, ks, kr), _take(of, qs, qr), lse_g.contiguous(), g.cu_q.t,
-                                              g.cu_k.t, g.max_q, g.max_k, g.wl, g.wr, scale)
+                                              g.cu_k.t, g.max_q, g.max_k, *g.window, scale)
             _add(dqf, qs, qr, grads[0].to(dqf.dtype))
             _add(dkf, ks, kr, grads[1].to(dkf.dtype))
             _add(dvf, ks, kr, grads[2].to(dvf.dtype))

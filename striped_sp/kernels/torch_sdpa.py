@@ -9,15 +9,21 @@ over the same calls.  Packed documents and windows (``forward_varlen`` ...) stay
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
-from .base import _FLOAT_DTYPES, _HALF_DTYPES, Kernel, _expand_kv, _group_sum, accumulator_dtype
+from .base import _FLOAT_DTYPES, _HALF_DTYPES, Kernel, _expand_kv, _group_sum, accumulator_dtype, flash2_window, head_dims
 
 __all__ = ["TorchKernel", "GQA_NATIVE_ENV", "gqa_probe_enabled"]
 
+_LOG = logging.getLogger(__name__)
 GQA_NATIVE_ENV = "STRIPED_SP_GQA_NATIVE"
+#: the compute capability majors each flash implementation of torch's registry runs on
+#: (``torch.nn.attention.current_flash_attention_impl()``; ``None``: the built-in flash-attn 2, sm80+)
+_FLASH_IMPL_MAJORS = {"FA3": (9,), "FA4": (9, 10)}
+_SAID: set = set()  # the reasons already logged (one line per reason and process, not per call)
 _GQA_NATIVE: dict = {}  # (op, device, dtype, head_dim) -> the op takes fewer kv heads as they are
 
 
@@ -55,6 +61,38 @@ def gqa_probe_enabled() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"${GQA_NATIVE_ENV}={value!r} must be '1' (probe the ops) or '0' (always expand kv heads)")
     return value == "1"
+
+
+def flash_impl() -> str | None:
+    """The flash attention implementation torch's registry has made active
+    (``torch.nn.attention.current_flash_attention_impl()`` on the releases that have it; ``None``:
+    the built-in one, PyTorch's vendored flash-attn 2)."""
+    current = getattr(torch.nn.attention, "current_flash_attention_impl", None)
+    return current() if current is not None else None
+
+
+def flash_impl_reason(impl: str | None, major: int) -> str | None:
+    """Why PyTorch's flash op, routed to implementation ``impl``, cannot run on a device of compute
+    capability major ``major`` (``None``: it can).  ``FA3`` (the Hopper build's
+    ``torch.ops.flash_attn_3``) refuses every device but 9.x; ``FA4`` through torch 2.13's route
+    (``torch/nn/attention/_fa4.py``) unpacks two of FA4's results, while flash-attn-4 returns four
+    from 4.0.0b19 and five in 4.0.0b36, so every call fails: ``backend="fa4"`` calls FA4 itself."""
+    if impl is None:
+        return None if major >= 8 else f"PyTorch's flash op needs compute capability 8.0 or newer, got {major}.x"
+    if impl == "FA4":
+        return ("torch's registry routes the flash op to FA4 (activate_flash_attention_impl('FA4')), whose "
+                "torch-side wrapper unpacks 2 of the 4-5 results flash-attn-4 >= 4.0.0b19 returns: use backend='fa4'")
+    majors = _FLASH_IMPL_MAJORS.get(impl)
+    if majors is not None and major not in majors:
+        return (f"torch's registry routes the flash op to {impl}, which runs on compute capability "
+                f"{' / '.join(f'{m}.x' for m in majors)} only, not {major}.x")
+    return None
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _SAID:
+        _SAID.add(reason)
+        _LOG.warning("striped_sp backend 'torch': %s; using the memory-efficient op", reason)
 
 
 def _tracing(t: torch.Tensor) -> bool:
@@ -126,8 +164,9 @@ class TorchKernel(Kernel):
                 return f"the cuDNN attention op needs float16 or bfloat16, got {dtype}"
             # The fused CUDA ops, called directly, do not pad head_dim as F.scaled_dot_product_attention does.
             align = 8 if dtype in _HALF_DTYPES or self.cuda_variant == "cudnn" else 4
-            if head_dim is not None and head_dim % align != 0:
-                return f"head_dim={head_dim} must be a multiple of {align} for the fused CUDA ops with {dtype}"
+            for dim in sorted(set(head_dims(head_dim)) - {None}):
+                if dim % align != 0:
+                    return f"head_dim={dim} must be a multiple of {align} for the fused CUDA ops with {dtype}"
             return None
         return f"no fused PyTorch attention op for device type '{device.type}'"
 
@@ -136,13 +175,40 @@ class TorchKernel(Kernel):
         return self._cuda_op_for(q.device, q.dtype, q.size(-1))
 
     def _cuda_op_for(self, device, dtype, head_dim: int | None) -> str:
+        """``"flash"``, ``"efficient"`` or ``"cudnn"``: the op of a call.  The flash op only where
+        the flash implementation torch's registry has active runs (:func:`flash_impl_reason`; the
+        reason is logged once), else the memory-efficient op."""
         if self.cuda_variant is not None:
             return self.cuda_variant
+        d_ok = all(d is None or (d <= 256 and d % 8 == 0) for d in head_dims(head_dim))
+        if dtype not in _HALF_DTYPES or not d_ok:
+            return "efficient"
         major, _ = torch.cuda.get_device_capability(device)
-        d_ok = head_dim is None or (head_dim <= 256 and head_dim % 8 == 0)
-        if dtype in _HALF_DTYPES and major >= 8 and d_ok:
+        reason = flash_impl_reason(flash_impl(), major)
+        if reason is None:
             return "flash"
+        if major >= 8:  # a pre-Ampere device never had the flash op: nothing to say
+            _say_once(reason)
         return "efficient"
+
+    def kernel_class(self, device, dtype, head_dim=None, varlen=False):
+        device = torch.device(device)
+        if device.type != "cuda":
+            return "cpu_flash" if device.type == "cpu" else "efficient"
+        if varlen and self.cuda_variant == "cudnn":
+            return "efficient"  # its masked calls run on the memory-efficient op
+        if self.cuda_variant is None and not torch.cuda.is_available():  # no device to ask (a CPU-only build)
+            return "torch_flash" if dtype in _HALF_DTYPES else "efficient"
+        op = self._cuda_op_for(device, dtype, head_dim)
+        if op == "flash":
+            return "fa3" if flash_impl() == "FA3" else "torch_flash"
+        return op
+
+    def deterministic_reason(self, device):
+        if torch.device(device).type == "cuda":
+            return (f"backend {self.name!r} (PyTorch's fused CUDA attention ops) has no deterministic backward: "
+                    "use backend 'fa4' (on SM100), 'flash_attn' (flash-attn's deterministic mode) or 'math'")
+        return None
 
     def causal_alignment(self, device, dtype, head_dim=None):
         if device.type != "cuda":
@@ -316,6 +382,7 @@ class TorchKernel(Kernel):
         return device.type != "cpu" and self.cuda_variant is None and self._cuda_op_for(device, dtype, head_dim) == "flash"
 
     def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        wl, wr = flash2_window(wl, wr)
         h = q.size(1)
         res = torch.ops.aten._flash_attention_forward(
             q, _expand_kv(k.unsqueeze(0), h)[0], _expand_kv(v.unsqueeze(0), h)[0], cu_q, cu_k, max_q, max_k,
@@ -323,6 +390,7 @@ class TorchKernel(Kernel):
         return res[0], res[1]
 
     def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        wl, wr = flash2_window(wl, wr)
         h, kvh = q.size(1), k.size(1)
         rng = q.new_empty(0, dtype=torch.int64)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(

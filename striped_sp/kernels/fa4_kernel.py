@@ -1,0 +1,202 @@
+"""FlashAttention-4 as a block kernel (``backend="fa4"``): dense and varlen calls, GQA and MLA native.
+
+Written against the private functions of ``flash_attn.cute.interface`` (the CuTe-DSL package,
+``pip install --pre flash-attn-4``; SM90 and SM100, no build step), called directly rather than
+through torch's registry (``activate_flash_attention_impl("FA4")`` unpacks two results and swaps
+the kernels of the whole process).  What the calls rely on, read in the upstream source
+(Dao-AILab/flash-attention ``flash_attn/cute/interface.py``):
+
+* ``_flash_attn_fwd(q, k, v, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=,
+  softmax_scale=, causal=, window_size_left=, window_size_right=, return_lse=)``: ``q``
+  ``[b, s, h, d]`` (varlen ``[T, h, d]``), ``k`` with ``kv_heads`` dividing ``h`` (GQA native),
+  ``v`` with its own head dim ``dv``; returns ``out`` ``[.., h, dv]`` and lse fp32 ``[b, h, s]``
+  (varlen ``[h, T]``) first, then 0-3 more values depending on the release: taken by position.
+  Causal masks and windows are bottom-right aligned; ``None`` is an open window side, and a
+  causal call is ``causal=True`` (the right side set to 0).  A row that sees no key: lse ``-inf``,
+  output 0.
+* ``_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=, causal=, window_size_left=,
+  window_size_right=, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=,
+  deterministic=)`` -> ``(dq, dk, dv)`` first (kv heads as given, not expanded).  ``deterministic``
+  runs on SM100 only; the SM90 backward takes neither windows nor varlen calls in the releases
+  read, so packed documents and windows need SM100 there.
+
+The signatures are checked once, by parameter name; a release without one of them is refused
+with its version and :data:`SUPPORTED`.  Imported lazily: ``pip install 'striped_sp[fa4]'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+from .base import _HALF_DTYPES, Kernel, head_dims
+
+__all__ = ["FA4Kernel", "SUPPORTED", "MODULE"]
+
+MODULE = "flash_attn.cute.interface"
+DIST = "flash-attn-4"
+#: the releases whose interface this kernel was written against (the deterministic backward from
+#: 4.0.0b5; results read by position, so 2, 4 or 5 of them)
+SUPPORTED = ">=4.0.0b5,<4.1"
+_FWD_PARAMS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+               "causal", "window_size_left", "window_size_right", "return_lse")
+_BWD_PARAMS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "window_size_left",
+               "window_size_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "deterministic")
+
+
+def installed_version() -> str:
+    """The installed flash-attn-4's version string (``"unknown"`` when it has no metadata)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version(DIST)
+    except (ImportError, PackageNotFoundError):
+        return "unknown"
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device`` (``None`` for any other device).  The one device
+    predicate of this module: tests patch it to run the CUDA branch on CPU tensors."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _current_capability() -> tuple[int, int] | None:
+    """The current CUDA device's capability (``None`` without CUDA): for the questions the
+    interface asks without a device (:meth:`FA4Kernel.varlen_unavailable_reason`)."""
+    return _capability(torch.device("cuda"))
+
+
+def head_dim_reason(major: int, d: int | None, dv: int | None) -> str | None:
+    """FA4's head dim rules per architecture (``None``: the pair runs): SM90 8-256, multiples of 8,
+    ``d == dv``; SM100 both at most 128 (multiples of 8), or ``(192, 128)`` (DeepSeek's MLA), or
+    ``(256, 256)``."""
+    if d is None:
+        return None
+    dv = d if dv is None else dv
+    if major == 9:
+        if d != dv:
+            return f"FA4 on SM90 needs one head dim for q/k and v, got ({d}, {dv})"
+        if d % 8 or not 8 <= d <= 256:
+            return f"FA4 on SM90 needs head_dim a multiple of 8 in 8-256, got {d}"
+        return None
+    if (d, dv) in ((192, 128), (256, 256)) or (d <= 128 and dv <= 128 and d % 8 == 0 and dv % 8 == 0 and d and dv):
+        return None
+    return f"FA4 on SM100 needs head dims (d, dv) both multiples of 8 up to 128, or (192, 128), or (256, 256); got ({d}, {dv})"
+
+
+class FA4Kernel(Kernel):
+    """FlashAttention-4's forward/backward (``flash_attn.cute.interface``), GQA and MLA native.
+
+    Needs the ``fa4`` extra (``pip install 'striped_sp[fa4]'``) and a CUDA device of compute
+    capability 9.x or 10.x, float16 or bfloat16."""
+
+    name = "fa4"
+    #: v's head dim may differ from q/k's (MLA: (192, 128) on SM100): no padding on the ring
+    native_value_head_dim = True
+
+    def __init__(self, deterministic: bool = False):
+        #: FA4's deterministic backward (SM100): no atomic adds into dq / dk / dv
+        self.deterministic = deterministic
+        self._fns = None  # (fwd, bwd) once their signatures are checked
+
+    # -- the interface, checked once --------------------------------------------------------
+    def _functions(self):
+        if self._fns is None:
+            mod = importlib.import_module(MODULE)
+            fns = []
+            for fn_name, params in (("_flash_attn_fwd", _FWD_PARAMS), ("_flash_attn_bwd", _BWD_PARAMS)):
+                fn = getattr(mod, fn_name, None)
+                if fn is None:
+                    raise RuntimeError(f"flash-attn-4 {installed_version()} has no {MODULE}.{fn_name}: "
+                                       f"striped_sp's backend 'fa4' supports flash-attn-4 {SUPPORTED}")
+                have = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+                missing = [p for p in params if p not in have]
+                if missing:
+                    raise RuntimeError(f"flash-attn-4 {installed_version()}: {MODULE}.{fn_name} has no parameter "
+                                       f"{', '.join(missing)}; striped_sp's backend 'fa4' supports flash-attn-4 "
+                                       f"{SUPPORTED}")
+                fns.append(fn)
+            self._fns = tuple(fns)
+        return self._fns
+
+    def unavailable_reason(self, device, dtype, head_dim=None):
+        try:
+            importlib.import_module(MODULE)
+        except ImportError:
+            return "flash-attn-4 is not installed: pip install 'striped_sp[fa4]'"
+        cap = _capability(torch.device(device))
+        if cap is None:
+            return f"FA4 runs on CUDA devices only, got device '{device}'"
+        if cap[0] not in (9, 10):
+            return f"FA4 runs on compute capability 9.x (Hopper) and 10.x (Blackwell), got {cap[0]}.{cap[1]}"
+        if dtype not in _HALF_DTYPES:
+            return f"FA4 needs float16 or bfloat16, got {dtype}"
+        reason = head_dim_reason(cap[0], *head_dims(head_dim))
+        if reason is not None:
+            return reason
+        try:
+            self._functions()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    def deterministic_reason(self, device):
+        cap = _capability(torch.device(device))
+        if cap is not None and cap[0] != 10:
+            return f"FA4's deterministic backward runs on SM100 only, got compute capability {cap[0]}.{cap[1]}"
+        return None
+
+    def deterministic_variant(self):
+        return self if self.deterministic else _DETERMINISTIC
+
+    def kernel_class(self, device, dtype, head_dim=None, varlen=False):
+        return "fa4"
+
+    def causal_alignment(self, device, dtype, head_dim=None):
+        return "bottom_right"
+
+    def varlen_unavailable_reason(self):
+        cap = _current_capability()
+        if cap is not None and cap[0] == 9:
+            return ("FA4's SM90 backward takes no varlen or windowed call (flash_attn.cute.interface asserts it): "
+                    "packed documents and windows need SM100, or backend 'flash_attn' / 'torch'")
+        return None
+
+    def native_varlen(self, device, dtype, head_dim=None) -> bool:
+        return True
+
+    # -- calls ---------------------------------------------------------------------------
+    def forward(self, q, k, v, causal, scale):
+        fwd, _ = self._functions()
+        res = fwd(q, k, v, softmax_scale=scale, causal=causal, window_size_left=None, window_size_right=None,
+                  return_lse=True)
+        return res[0], res[1]  # lse [b, h, s] fp32, contiguous as allocated
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        _, bwd = self._functions()
+        res = bwd(q, k, v, out, dout, lse.contiguous(), softmax_scale=scale, causal=causal, window_size_left=None,
+                  window_size_right=None, deterministic=self.deterministic)
+        return res[0], res[1], res[2]
+
+    def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        fwd, _ = self._functions()
+        causal = wl is None and wr == 0
+        res = fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                  softmax_scale=scale, causal=causal, window_size_left=wl, window_size_right=None if causal else wr,
+                  return_lse=True)
+        return res[0], res[1]
+
+    def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        _, bwd = self._functions()
+        causal = wl is None and wr == 0
+        res = bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal, window_size_left=wl,
+                  window_size_right=None if causal else wr, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                  max_seqlen_q=max_q, max_seqlen_k=max_k, deterministic=self.deterministic)
+        return res[0], res[1], res[2]
+
+
+_DETERMINISTIC = FA4Kernel(deterministic=True)
