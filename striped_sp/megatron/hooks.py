@@ -11,9 +11,12 @@ imported it by name, so ``from x import f`` copies follow too):
   pretrain_gpt.py when loaded; hybrid-CP slicing refuses;
 * the GPT spec providers (local, Transformer Engine, decoder block, decoder layers, MTP
   block): every ``core_attention`` they return becomes ``ContextParallelAttention(algo)``;
-  ``GPTModel.__init__`` (and ``HybridModel.__init__``, megatron-core >= 0.19) does the same to
-  whatever layer, stack and MTP specs it is given; HybridModel layers whose own context
-  parallelism assumes zigzag (Mamba, gated delta net) are refused under other algos;
+  ``GPTModel.__init__`` (and ``HybridModel.__init__``, megatron-core >= 0.18, and
+  ``MambaModel.__init__`` before it) does the same to whatever layer, stack and MTP specs it is
+  given; the layers the algo cannot run are then refused by name (:mod:`.refusals`: Mamba and
+  gated delta net outside zigzag's placement, layers megatron-core has no CP for, sparse
+  attention); ``TransformerLayer.__init__`` refuses any core attention not ours, naming the model
+  class being built (T5, BERT, vision encoders: specs no hook converts);
 * MTP's ``roll_tensor``: rolls along the global sequence in the layout;
 * multi-latent attention without Transformer Engine: the MLA module's ``HAVE_TE`` (:mod:`.mla`);
 * ``megatron.training.arguments.validate_args`` (when importable): also runs our checks.
@@ -30,9 +33,8 @@ import inspect
 import sys
 from typing import Callable
 
-from . import data, mla, rope
-from ..plan.layouts import get_layout
-from .arguments import NATIVE_LAYOUT, check_algo, layout_of, validate_args as _validate_striped_args
+from . import data, mla, refusals, rope
+from .arguments import check_algo, validate_args as _validate_striped_args
 from .spec import patch_layer_spec
 from .version import check_supported
 
@@ -167,29 +169,21 @@ def _model_init_wrapper(init, spec_args=("transformer_layer_spec", "mtp_block_sp
     return wrapper
 
 
-#: HybridModel layers whose own context parallelism assumes Megatron's zigzag layout (their class
-#: names), and layers whose attention the ring does not run at all
-_ZIGZAG_ONLY_LAYERS = {"MambaLayer": "Mamba ('M')", "GatedDeltaNet": "gated delta net ('G')"}
-#: (multi-latent attention, 'L', runs: its core attention is ours, its RoPE follows the layout)
-_UNSUPPORTED_LAYERS = {"DSAttention": "DeepSeek sparse attention ('D')"}
+def _check_model(model) -> None:
+    refusals.check_model_layers(model, _STATE["algo"])
 
 
-def _check_hybrid_layers(model) -> None:
-    """Refuse, by name and before any forward, the HybridModel layers the algo cannot run."""
-    algo = _STATE["algo"]
-    # equal layout keys: the same token placement as Megatron's own context parallelism
-    native_placement = layout_of(algo) == get_layout(NATIVE_LAYOUT).key
-    for module in model.modules():
-        name = type(module).__name__
-        if name in _ZIGZAG_ONLY_LAYERS and not native_placement:
-            raise ValueError(
-                f"--context-parallel-algo {algo}: the hybrid pattern has {_ZIGZAG_ONLY_LAYERS[name]} layers, "
-                "whose context parallelism assumes Megatron's zigzag layout: use --context-parallel-algo "
-                "zigzag (or native) for this model")
-        for key, what in _UNSUPPORTED_LAYERS.items():
-            if key in name:
-                raise ValueError(f"--context-parallel-algo {algo} does not run {what} layers: "
-                                 "use --context-parallel-algo native for this model")
+def _layer_init_wrapper(init):
+    """``TransformerLayer.__init__`` that refuses, once built, any core attention not ours:
+    the layer came from a spec no hook converted (a model class the plugin does not patch)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if _STATE["algo"] is not None:
+            refusals.check_layer_attention(self, _STATE["algo"])
+
+    return wrapper
 
 
 def _validate_wrapper(fn):
@@ -298,14 +292,26 @@ def _apply() -> None:
     # Every GPT model built while installed, whatever its spec's source.
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    _set(GPTModel, "__init__", _model_init_wrapper(GPTModel.__dict__["__init__"]))
-    try:  # megatron-core >= 0.19 (GPTModel's successor): its stack spec holds layers and MTP
+    _set(GPTModel, "__init__", _model_init_wrapper(GPTModel.__dict__["__init__"], check=_check_model))
+    try:  # megatron-core >= 0.18 (GPTModel's successor): its stack spec holds layers and MTP
         from megatron.core.models.hybrid.hybrid_model import HybridModel
     except ImportError:
         HybridModel = None
     if HybridModel is not None:
         _set(HybridModel, "__init__", _model_init_wrapper(
-            HybridModel.__dict__["__init__"], ("hybrid_stack_spec",), _check_hybrid_layers))
+            HybridModel.__dict__["__init__"], ("hybrid_stack_spec",), _check_model))
+    try:  # megatron-core 0.16 / 0.17's hybrid model (pretrain_mamba.py); later a HybridModel subclass
+        from megatron.core.models.mamba.mamba_model import MambaModel
+    except ImportError:
+        MambaModel = None
+    if MambaModel is not None and (HybridModel is None or not issubclass(MambaModel, HybridModel)):
+        _set(MambaModel, "__init__", _model_init_wrapper(
+            MambaModel.__dict__["__init__"], ("mamba_stack_spec",), _check_model))
+    # Any other model (T5, BERT, vision encoders, user classes): its layers' specs are not
+    # converted, so a layer built with a core attention not ours is refused, naming the model.
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    _set(TransformerLayer, "__init__", _layer_init_wrapper(TransformerLayer.__dict__["__init__"]))
 
     # Multi-latent attention on the local spec without Transformer Engine (megatron-core 0.16.1).
     fix = mla.te_flag_fix()

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 
 from .arguments import check_algo, layout_of
+from .refusals import SPARSE_CORE_ATTENTION, refuse_sparse_core_attention
 
 __all__ = ["patch_layer_spec", "replace_core_attention", "core_attention_spec"]
 
@@ -79,7 +80,9 @@ def patch_layer_spec(spec, algo: str = "striped", backend: str = "auto"):
 
     ``algo="native"`` returns ``spec`` unchanged; ``None`` (an MTP block spec for a stage with
     no MTP layers) is returned as is, and so is a block spec with no layers (an embedding- or
-    loss-only pipeline stage).  A spec without any core_attention raises ``ValueError``.
+    loss-only pipeline stage).  A spec without any core_attention raises ``ValueError``, and so does
+    one with a sparse core attention (DeepSeek sparse attention), which ours would not replace
+    faithfully.
     """
     check_algo(algo)
     if spec is None or algo == "native":
@@ -88,4 +91,10 @@ def patch_layer_spec(spec, algo: str = "striped", backend: str = "auto"):
         return copy.deepcopy(spec)  # a pipeline stage with no decoder layers
     # Where Transformer Engine's core attention was, keep its checkpoint entry (_extra_state), so
     # checkpoints move between --context-parallel-algo native and ours in both directions.
-    return _replace(spec, lambda old: core_attention_spec(algo, backend, te_state=_is_transformer_engine(old)))
+    def replacement(old):
+        name = getattr(getattr(old, "module", old), "__name__", "")
+        if name in SPARSE_CORE_ATTENTION:  # not dense attention: swapping it would change the model
+            raise refuse_sparse_core_attention(algo, name)
+        return core_attention_spec(algo, backend, te_state=_is_transformer_engine(old))
+
+    return _replace(spec, replacement)

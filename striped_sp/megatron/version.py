@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import warnings
 
-__all__ = ["SUPPORTED_LINES", "TESTED_RELEASES", "megatron_core_version", "check_supported", "ALLOW_ENV"]
+__all__ = ["SUPPORTED_LINES", "TESTED_RELEASES", "megatron_core_version", "megatron_core_line", "check_supported",
+           "ALLOW_ENV"]
 
 #: release lines (major, minor) the adapter is tested on
 SUPPORTED_LINES = ((0, 16), (0, 17), (0, 18), (0, 19))
@@ -34,6 +35,11 @@ def megatron_core_version() -> str:
         return package_info.__version__
     except ImportError:
         raise ValueError("megatron-core is not installed: pip install 'striped_sp[megatron]'") from None
+
+
+def megatron_core_line() -> tuple[int, int]:
+    """The installed megatron-core's release line, ``(major, minor)``."""
+    return _line(megatron_core_version())
 
 
 def _line(text: str) -> tuple[int, int]:

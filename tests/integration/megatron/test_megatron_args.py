@@ -286,6 +286,6 @@ def test_hybrid_mamba_layers_need_megatrons_own_placement(monkeypatch, algo, ref
     monkeypatch.setitem(hooks._STATE, "algo", algo)
     if refused:
         with pytest.raises(ValueError, match=r"Mamba .* zigzag"):
-            hooks._check_hybrid_layers(model)
+            hooks._check_model(model)
     else:
-        hooks._check_hybrid_layers(model)
+        hooks._check_model(model)

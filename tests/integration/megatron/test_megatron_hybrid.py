@@ -9,7 +9,6 @@ CPU shim (tests only): HybridStack builds its final norm with Transformer Engine
 here it is a torch LayerNorm.
 """
 
-import copy
 import random
 
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 import striped_sp
 from dist_helper import run_cases
+from megatron_layers import attention_and_mlp_specs, check_dense_row
 from megatron_reference import compare, document_mask, use_reference_attention
 
 pytest.importorskip("megatron.core")
@@ -40,17 +40,10 @@ def _cpu_shims():
 
 def _stack_spec(extra=None):
     """Attention layers ('*') and MLP layers ('-') from megatron-core's local GPT layer spec."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    layer = get_gpt_layer_local_spec()
-    attention, mlp = copy.deepcopy(layer), copy.deepcopy(layer)
-    attention.submodules.mlp, attention.submodules.pre_mlp_layernorm = IdentityOp, IdentityOp
-    attention.submodules.mlp_bda = IdentityFuncOp
-    mlp.submodules.self_attention, mlp.submodules.input_layernorm = IdentityOp, IdentityOp
-    mlp.submodules.self_attn_bda = IdentityFuncOp
+    attention, mlp = attention_and_mlp_specs()
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         attention_layer=attention, mlp_layer=mlp, **(extra or {})))
 
@@ -90,26 +83,22 @@ def check_hybrid(algo, packed, seed):
     use_reference_attention(ref, ref.config)
     model = _model(group, seed=seed)
     assert any(isinstance(m, sm.ContextParallelAttention) for m in model.modules())
+    if not packed:
+        check_dense_row(model, ref, algo, group, seed, VOCAB, SEQ)
+        return
     gen = torch.Generator().manual_seed(seed + 1)
     tokens, labels = (torch.randint(0, VOCAB, (1, SEQ), generator=gen) for _ in range(2))
     bounds = [0]
     for n in DOCS:
         bounds.append(bounds[-1] + n)
-    if packed:
-        positions = torch.cat([torch.arange(n) for n in DOCS])[None]
-        ref_loss = ref(tokens, positions, document_mask(bounds, SEQ), labels=labels).sum()
-        batch = {"tokens": tokens, "labels": labels, "position_ids": positions}
-        cu = torch.tensor(bounds, dtype=torch.int32)
-        local, params = sm.get_thd_batch_on_this_cp_rank(batch, cu, None, torch.tensor([max(DOCS)]),
-                                                         algo=algo, cp_group=group)
-        loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                     packed_seq_params=params).sum()
-    else:
-        positions = torch.arange(SEQ)[None]
-        ref_loss = ref(tokens, positions, None, labels=labels).sum()
-        local = sm.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": positions},
-                                             algo, cp_group=group)
-        loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"]).sum()
+    positions = torch.cat([torch.arange(n) for n in DOCS])[None]
+    ref_loss = ref(tokens, positions, document_mask(bounds, SEQ), labels=labels).sum()
+    batch = {"tokens": tokens, "labels": labels, "position_ids": positions}
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    local, params = sm.get_thd_batch_on_this_cp_rank(batch, cu, None, torch.tensor([max(DOCS)]),
+                                                     algo=algo, cp_group=group)
+    loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                 packed_seq_params=params).sum()
     ref_loss.backward()
     loss.backward()
     compare(model, ref, loss, ref_loss, group, seed)
