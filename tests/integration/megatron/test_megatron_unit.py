@@ -604,6 +604,7 @@ def test_striped_calibrate_times_the_kernel_once_when_the_model_is_built(monkeyp
         assert calls[0]["backend"] == "auto" and calls[0]["head_dim"] == 8, calls
         model = cost.model_for("torch", "cpu")
         assert model.measured and model.label == "torch@cpu" and cost.default_model() is model
+        assert model.ns_per_entry > 0, model  # timed here, not an all-zero model adopted untimed
         sm.validate_args(_types.SimpleNamespace(**{**vars(args), "striped_calibrate": False}))
         sm.ContextParallelAttention(_config(), **kw)
         assert len(calls) == 1  # without the flag: nothing more
