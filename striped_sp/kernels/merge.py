@@ -17,16 +17,29 @@ def _lse_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return (w.transpose(1, 2) if fmt == "bshd" else w).unsqueeze(-1)
 
 
+_NEG_INF = float("-inf")
+
+
+def _seen_nothing_as_neg_inf(block_lse: torch.Tensor) -> torch.Tensor:
+    """A block's lse with every row that saw no key at ``-inf`` (weight 0 in the merge): kernels
+    report such a row as ``+inf`` (flash-attn 2, PyTorch's flash op) or ``-inf`` (FA3, FA4), and a
+    NaN is no weight either.  (The memory-efficient op reports 0, which no merge can tell from a
+    real lse: the ring never gives that op a row without keys, see TorchKernel.)"""
+    return block_lse.nan_to_num(nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)
+
+
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
                 fmt: str = "bshd") -> None:
     """Fold one block's result into the running accumulators, in place.
 
     ``out``: float32 in ``fmt``; ``lse``: float32 ``[b, h, s]`` (views of the accumulators for the
-    block's query rows; float64 both for float64 inputs); ``block_out`` in ``fmt``, any float dtype;
-    ``block_lse`` ``[b, h, s]``, taken in ``lse``'s dtype.  Uses the sigmoid form of the softmax merge, which never subtracts two large
+    block's query rows; float64 both for float64 inputs); ``block_out`` in ``fmt``, any float dtype
+    (0 in a row that saw no key); ``block_lse`` ``[b, h, s]``, taken in ``lse``'s dtype, ``+inf``,
+    ``-inf`` or NaN where the row saw no key (it leaves the accumulators as they are).  Uses the sigmoid form of the softmax merge, which never subtracts two large
     exponents: ``out += sigmoid(lse_b - lse) * (out_b - out)``, ``lse -= logsigmoid(lse - lse_b)``.
     """
-    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
+    # the accumulators' dtype decides (a float64 kernel into fp32 ones); a row that saw no key weighs 0
+    block_lse = _seen_nothing_as_neg_inf(block_lse.to(lse.dtype))
     weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
     out.lerp_(block_out.to(out.dtype), weight)  # one pass, no temporaries
     lse.sub_(F.logsigmoid(lse - block_lse))
@@ -36,8 +49,9 @@ def merge_block_safe(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
                      fmt: str = "bshd") -> None:
     """:func:`merge_block` for accumulators that may still hold rows with ``lse = -inf`` (no key
     seen yet, under a document or window mask): the new lse is a ``logaddexp``."""
-    block_lse = block_lse.to(lse.dtype)  # the accumulators' dtype decides (a float64 kernel into fp32 ones)
-    weight = _lse_weight(torch.sigmoid(block_lse - lse), fmt)
+    block_lse = _seen_nothing_as_neg_inf(block_lse.to(lse.dtype))
+    # both -inf (no key in the block nor before): sigmoid(nan), taken as weight 0
+    weight = _lse_weight(torch.sigmoid(block_lse - lse).nan_to_num_(0.0), fmt)
     out.lerp_(block_out.to(out.dtype), weight)
     torch.logaddexp(lse, block_lse, out=lse)
 

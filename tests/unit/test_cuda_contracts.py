@@ -341,6 +341,10 @@ def _check_fa_args(b: dict, varlen: bool, version: str):
         for g, t in (("dq", q), ("dk", k), ("dv", v)):
             assert b[g].shape == t.shape and b[g].dtype == t.dtype, f"{g} buffer"
         assert isinstance(b["deterministic"], bool)
+        # flash-attn's backward kernel builds its dropout state from params.rng_state whether or not
+        # it drops out (csrc flash_bwd_kernel.h): a null pointer is not safe; [2] int64 as the forward returns it
+        rng = b["rng_state"]
+        assert isinstance(rng, torch.Tensor) and rng.shape == (2,) and rng.dtype == torch.int64, "rng_state"
     return wl, wr
 
 
@@ -400,9 +404,10 @@ def _fa_module(version: str, calls: list):
             if not backward:
                 out, lse = _fa_compute_forward(b, varlen, wl, wr)
                 out = out.to(b["q"].dtype)
+                rng_state = torch.zeros(2, dtype=torch.int64)  # (seed, offset), unused without dropout
                 if version == "2.7":
-                    return out, lse, None, None
-                return out, b["q"], b["k"], b["v"], out, lse, None, None
+                    return out, lse, None, rng_state
+                return out, b["q"], b["k"], b["v"], out, lse, None, rng_state
             fb = dict(b)
             fb["q"], fb["k"], fb["v"] = (t.double() for t in (b["q"], b["k"], b["v"]))
             with torch.enable_grad():
