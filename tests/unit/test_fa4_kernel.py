@@ -246,3 +246,30 @@ def test_flash2_window_form_would_be_caught(fa4):
                                 return_lse=True)
     want = MathKernel().forward(q.double(), k.double(), v.double(), True, SCALE)[0][0]
     assert _rel(good[0], want) < 2e-6 and _rel(bad[0], want) > 1e-2
+
+
+# -- torch's flash registry: the flash op only where its implementation runs -------------------------
+
+@pytest.mark.parametrize("impl, cap, want", [(None, (9, 0), "flash"), ("FA3", (9, 0), "flash"),
+                                             ("FA3", (10, 0), "efficient"), ("FA3", (8, 0), "efficient"),
+                                             ("FA4", (9, 0), "efficient"), (None, (7, 5), "efficient")])
+def test_torch_kernel_asks_the_flash_registry(monkeypatch, caplog, impl, cap, want):
+    """FA3 through torch's registry runs on compute capability 9.x only; torch 2.13's FA4 route
+    fails on every call: elsewhere the memory-efficient op, and the reason logged once."""
+    import striped_sp.kernels.torch_sdpa as sdpa
+
+    monkeypatch.setattr(torch.nn.attention, "current_flash_attention_impl", lambda: impl)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(sdpa, "_SAID", set())
+    kernel = kernels.TorchKernel()
+    with caplog.at_level(logging.WARNING, logger="striped_sp.kernels.torch_sdpa"):
+        for _ in range(3):
+            assert kernel._cuda_op_for(CUDA, torch.bfloat16, 64) == want
+    said = [r.getMessage() for r in caplog.records if r.name == "striped_sp.kernels.torch_sdpa"]
+    assert len(said) == (1 if want == "efficient" and cap[0] >= 8 else 0)
+    if said:
+        assert impl in said[0] and "memory-efficient" in said[0]
+    assert kernel.native_varlen(CUDA, torch.bfloat16, 64) == (want == "flash")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kernel.kernel_class(CUDA, torch.bfloat16, 64) == {"flash": "fa3" if impl == "FA3" else "torch_flash",
+                                                              "efficient": "efficient"}[want]
