@@ -12,6 +12,8 @@ bench modes (``striped-sp bench MODE --help`` for each one's options and default
 patch: the Megatron-LM patch files shipped with the package
   striped-sp patch --list                              the tags and the paths
   striped-sp patch --print core_v0.19.0 | git apply    (in a Megatron-LM checkout)
+  striped-sp patch --apply core_v0.19.0 -C megatron-lm  (the same; a no-op where already applied)
+  striped-sp patch --status core_v0.19.0 -C megatron-lm applied, applies, or neither
 
 Progress bars go to stderr (tqdm, the bench extra); the tables go to stdout.
 """
@@ -54,9 +56,16 @@ def _patch_parser(sub) -> None:
     g.add_argument("--list", action="store_true", help="print every shipped patch: tag and path")
     g.add_argument("--print", metavar="TAG", dest="print_tag", help="print the patch for TAG (pipe it to git apply)")
     g.add_argument("--path", metavar="TAG", dest="path_tag", help="print the path of the patch file for TAG")
+    g.add_argument("--status", metavar="TAG", dest="status_tag",
+                   help="in the checkout: is the patch for TAG applied, does it apply, or neither (exit 0, 1, 2)")
+    g.add_argument("--apply", metavar="TAG", dest="apply_tag",
+                   help="apply the patch for TAG in the checkout, unless it is already applied")
+    p.add_argument("-C", dest="directory", default=".", metavar="DIR",
+                   help="the Megatron-LM checkout for --status / --apply (default: the current folder)")
 
 
 def _patch(args) -> int:
+    from .patch_apply import apply_patch, describe, patch_status
     from .patch_files import available, patch_path, read_patch
 
     if args.list:
@@ -64,6 +73,12 @@ def _patch(args) -> int:
             print(f"{tag}\t{path}")
     elif args.path_tag:
         print(patch_path(args.path_tag))
+    elif args.status_tag:
+        state, detail = patch_status(args.status_tag, args.directory)
+        print(describe(args.status_tag, args.directory, state, detail))
+        return {"applied": 0, "applies": 1}.get(state, 2)
+    elif args.apply_tag:
+        print(apply_patch(args.apply_tag, args.directory))
     else:
         sys.stdout.write(read_patch(args.print_tag))
     return 0

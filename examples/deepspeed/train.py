@@ -134,7 +134,11 @@ def main(args) -> None:
     if args.algo:
         config.setdefault("context_parallel", {})["algo"] = args.algo
     world = int(os.environ["WORLD_SIZE"])
-    sp = config.get("sequence_parallel_size", 1)
+    import striped_sp.deepspeed as ssd
+
+    # the config's own errors first (each names its key), before the batch arithmetic below uses it
+    ssd.check_requested(config)
+    sp = ssd.parse_config(config, world_size=world).sequence_parallel_size
     # the SP=1 reference: same global batch, more replicas, fewer accumulation steps
     ref = dict(config, sequence_parallel_size=1)
     ref_gas = config["gradient_accumulation_steps"] * (world // sp) // world

@@ -45,6 +45,7 @@ def main(args) -> None:
     from transformers import TrainingArguments
 
     from striped_sp.deepspeed import ContextParallelTrainer as Trainer  # the one line
+    from striped_sp.deepspeed import check_requested, parse_config
 
     with open(args.deepspeed) as f:
         ds_config = json.load(f)
@@ -52,7 +53,10 @@ def main(args) -> None:
         ds_config["zero_optimization"]["stage"] = args.zero
         ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     vocab, micro, gas = 128, 1, 2
-    world, sp = int(os.environ["WORLD_SIZE"]), ds_config.get("sequence_parallel_size", 1)
+    world = int(os.environ["WORLD_SIZE"])
+    # the config's own errors first (each names its key), before the batch arithmetic below uses it
+    check_requested(ds_config)
+    sp = parse_config(ds_config, world_size=world).sequence_parallel_size
     samples = args.steps * micro * gas * (world // sp)
     training_args = TrainingArguments(
         output_dir=args.output_dir, deepspeed=ds_config, per_device_train_batch_size=micro,

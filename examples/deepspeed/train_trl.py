@@ -100,12 +100,14 @@ def run(args, ds_config: dict, sp: int) -> list[float]:
 def main(args) -> None:
     import torch.distributed as dist
 
-    from striped_sp.deepspeed import skip_cpu_shm_comm_build
+    from striped_sp.deepspeed import check_requested, parse_config, skip_cpu_shm_comm_build
 
     skip_cpu_shm_comm_build()  # CPU: no JIT build of DeepSpeed's inference-only shm op in the SP=1 run
     with open(args.deepspeed) as f:
         ds_config = json.load(f)
-    sp = ds_config.get("sequence_parallel_size", 1)
+    # the config's own errors first (each names its key), before the batch arithmetic of run() uses it
+    check_requested(ds_config)
+    sp = parse_config(ds_config, world_size=int(os.environ["WORLD_SIZE"])).sequence_parallel_size
     plain = run(args, ds_config, 1)  # SP=1 first: DeepSpeed keeps the mpu of the last engine
     striped = run(args, ds_config, sp)
     if dist.get_rank() == 0:

@@ -14,7 +14,7 @@ DeepSpeed raises an ``ImportError`` naming the ``deepspeed`` extra when it is mi
 import functools as _functools
 
 from .accelerate import enable_accelerate
-from .config import ALGOS, ContextParallelSettings, load_config, parse_config
+from .config import ALGOS, ContextParallelSettings, check_requested, load_config, parse_config
 from .data import IGNORE_INDEX, ShardedDataLoader, ShardingCollator, check_same_batch, shard_batch
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
@@ -52,6 +52,7 @@ __all__ = [
     "DistributedAttention",
     "parse_config",
     "load_config",
+    "check_requested",
     "ContextParallelSettings",
     "ALGOS",
     "shard_batch",

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .config import ContextParallelSettings, parse_config
+from .config import ContextParallelSettings, check_requested, load_config, parse_config
 from .data import ShardingCollator
 from .env import skip_cpu_shm_comm_build
 from .groups import sequence_parallel_groups
@@ -167,7 +167,8 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
     """
     import torch.distributed as dist
 
-    cfg = deepspeed_config_of(accelerator) if config is None else config
+    cfg = load_config(deepspeed_config_of(accelerator) if config is None else config)
+    check_requested(cfg)
     settings = parse_config(cfg, world_size=accelerator.num_processes)
     _check_accelerator(accelerator, settings)
     autos = _drop_auto_values(deepspeed_config_of(accelerator))

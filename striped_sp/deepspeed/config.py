@@ -31,7 +31,7 @@ from ..kernels import BACKENDS
 from ..plan.layouts import ALGOS as LAYOUT_ALGOS, get_layout
 from ..plan.placement import check_placement, check_stripe_size
 
-__all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config"]
+__all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config", "check_requested"]
 
 SECTION = "context_parallel"
 #: config ``algo`` -> core layout name (the one table, :data:`striped_sp.plan.layouts.ALGOS`)
@@ -154,6 +154,20 @@ def _sequence_parallel_size(config: Mapping, world_size: int | None) -> int:
                 f"size ({world_size})"
             )
     return sp
+
+
+def check_requested(config: Mapping) -> None:
+    """``ValueError`` naming both keys when the config has the ``context_parallel`` section but no
+    ``sequence_parallel_size``: DeepSpeed would default it to 1 and train without context
+    parallelism, without a word.  ``"sequence_parallel_size": 1`` written out (a reference run
+    without it, as the examples make) passes.  Run by every entry point (``initialize``, the
+    Trainers, ``enable_accelerate``) before any collective, not by :func:`parse_config`."""
+    if config.get(SECTION) is not None and "sequence_parallel_size" not in config:
+        raise ValueError(
+            f"the DeepSpeed config has a \"{SECTION}\" section but no \"sequence_parallel_size\": DeepSpeed "
+            "would run sequence_parallel_size=1, every rank a data-parallel replica, without context parallelism. "
+            "Set \"sequence_parallel_size\" to the number of ranks that share a sequence (> 1, dividing the world "
+            f"size), or write \"sequence_parallel_size\": 1 for a run without it")
 
 
 def _describe(err) -> str:

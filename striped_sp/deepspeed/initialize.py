@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from ..plan.layouts import get_layout
-from .config import ContextParallelSettings, load_config, parse_config
+from .config import ContextParallelSettings, check_requested, load_config, parse_config
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups, ulysses_groups
 from .data import IGNORE_INDEX, ShardedDataLoader
 from .zero import check_sequence_parallel_settings, fix_zero3_sequence_parallel_grads
 
-__all__ = ["initialize", "adapt_model", "global_loss_hook"]
+__all__ = ["initialize", "adapt_model", "global_loss_hook", "check_model_heads"]
 
 _DEFAULT_PORT = 29500
 
@@ -55,6 +55,29 @@ def _resolve_config(args, config, config_params):
 
 def _is_hf_model(model) -> bool:
     return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+
+
+def check_model_heads(model, settings: ContextParallelSettings) -> None:
+    """``context_parallel.ulysses_size`` against a transformers model's head counts (its text
+    config's ``num_attention_heads`` and ``num_key_value_heads``): ``ValueError`` naming the key,
+    the counts and the rule, before any collective (the engine's rule, :func:`check_ulysses`).
+    Other models' heads are known at their first forward only, where the engine checks them."""
+    from ..engine.ulysses import check_ulysses
+
+    u = settings.ulysses_size
+    config = getattr(model, "config", None)
+    if not settings.enabled or u == 1 or config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    try:
+        check_ulysses(u, settings.sequence_parallel_size, heads, kv)
+    except ValueError as err:
+        raise ValueError(f"context_parallel.ulysses_size={u} does not fit the model's heads "
+                         f"(num_attention_heads={heads}, num_key_value_heads={kv}): {err}") from None
 
 
 def _swap_deepspeed_attention(model: torch.nn.Module, settings: ContextParallelSettings) -> int:
@@ -211,11 +234,13 @@ def initialize(
     if model is None:
         raise ValueError("initialize needs a model")
     args, cfg = _resolve_config(args, config, config_params)
+    check_requested(cfg)
     settings = parse_config(cfg)
     if settings.enabled and mesh_param is not None:
         raise ValueError("mesh_param and sequence_parallel_size > 1 do not mix: the SP groups come from the config")
     if settings.enabled:
         check_sequence_parallel_settings(cfg, model)
+        check_model_heads(model, settings)
     skip_cpu_shm_comm_build()
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),

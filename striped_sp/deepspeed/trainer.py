@@ -40,7 +40,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
                       "pip install 'striped_sp[hf]' accelerate") from err
 
 from .accelerate import enable_accelerate
-from .config import load_config, parse_config
+from .config import check_requested, load_config, parse_config
+from .initialize import check_model_heads
 from .zero import check_sequence_parallel_settings
 
 __all__ = ["ContextParallelTrainer", "check_training_arguments"]
@@ -56,6 +57,7 @@ def check_training_arguments(args, compute_loss_func=None):
         raise ValueError("ContextParallelTrainer needs TrainingArguments(deepspeed=...): the DeepSpeed JSON with "
                          "sequence_parallel_size and the context_parallel section")
     cfg = args.hf_deepspeed_config.config if getattr(args, "hf_deepspeed_config", None) else load_config(args.deepspeed)
+    check_requested(cfg)
     settings = parse_config(cfg, world_size=_world_size(args))
     if not settings.enabled:
         return settings
@@ -94,6 +96,9 @@ class ContextParallelTrainer(Trainer):
         if training_args is None:
             raise ValueError("ContextParallelTrainer needs args=TrainingArguments(deepspeed=...)")
         self.context_parallel = check_training_arguments(training_args, kwargs.get("compute_loss_func"))
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None and not isinstance(model, str):
+            check_model_heads(model, self.context_parallel)
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self):

@@ -278,7 +278,8 @@ def test_enable_accelerate_refuses_conflicting_settings_before_communication():
     ]:
         with pytest.raises(ValueError, match=match):
             enable_accelerate(acc)
-    plain = accelerator({"zero_optimization": {"stage": 1}, "context_parallel": {"backend": "auto"}}, num_processes=1)
+    plain = accelerator({"zero_optimization": {"stage": 1}, "sequence_parallel_size": 1,
+                         "context_parallel": {"backend": "auto"}}, num_processes=1)
     assert not enable_accelerate(plain).enabled  # SP 1: nothing to patch
     assert plain.state.deepspeed_plugin.deepspeed_config["context_parallel"] == {}  # no "auto" for accelerate
     assert not dist.is_initialized()
