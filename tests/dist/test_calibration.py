@@ -87,6 +87,41 @@ def _case_a_subgroup_times_on_its_own_first_rank():
         search._placed_runs.cache_clear()
 
 
+def test_a_subgroups_first_rank_is_found_by_its_global_rank(monkeypatch):
+    """Without processes (fast, before the ranks start): this process as each member of the group of
+    global ranks [3, 5].  Global rank 3, the group's rank 0, times; global rank 5 adopts what it
+    broadcasts.  Asking for the rank in the group instead (0 and 1, never 3) times nowhere."""
+    from striped_sp import calibrate_cost_model
+    from striped_sp.plan import cost, search
+
+    members, group, sent = [3, 5], object(), {}
+
+    def broadcast(tensor, src, group=None):
+        if "values" in sent:  # a later member receives the first's numbers
+            tensor.copy_(sent["values"])
+        else:
+            sent["values"] = tensor.clone()
+        sent.setdefault("src", set()).add(src)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_global_rank", lambda g, r: members[r])
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "gloo")
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    models = []
+    try:
+        for me in members:
+            monkeypatch.setattr(dist, "get_rank", lambda g=None, me=me: me if g is None else members.index(me))
+            search._placed_runs.cache_clear()
+            with _CountTimings() as timings:
+                models.append(calibrate_cost_model(group=group))
+            assert timings.count == (1 if me == 3 else 0), (me, timings.count)
+            assert models[-1].ns_per_entry > 0, (me, models[-1])
+    finally:
+        cost.use_model(None)
+        search._placed_runs.cache_clear()
+    assert sent["src"] == {3} and models[0] == models[1]
+
+
 def test_calibration_is_one_model_for_the_group():
     results = run_cases(2, [("adopt", _case_every_rank_adopts_rank_0s_model, ()),
                             ("subgroup", _case_a_subgroup_times_on_its_own_first_rank, ())])
