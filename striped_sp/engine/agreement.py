@@ -9,9 +9,12 @@ wait on each other:
 
 1. one all-gather of two int64 per rank: a status (0: ready; 1: this rank's own argument checks
    failed) and a 64-bit digest of the signature (blake2b, the same on every process);
-2. only when every status is 0 and the digests differ (every rank sees the same gathered table, so
-   all take this step or none): an all-gather of the byte lengths, then one of the padded readable
-   field values; each rank then names the fields that differ and both values.
+2. when a status is 1 (every rank sees the same gathered table, so all take this step or none): an
+   all-gather of the byte lengths, then one of the padded texts of the failed ranks' errors; every
+   other rank raises ``ValueError`` "rank r of the group refused: <its error>";
+3. only when every status is 0 and the digests differ (likewise all or none): the same two
+   all-gathers of the readable field values; each rank then names the fields that differ and both
+   values.
 
 An agreed signature is kept in a small per-group LRU cache (:data:`CACHE_SIZE` entries), so the
 steady state sends nothing.  Ranks that call with the same sequence of signatures hold the same
@@ -143,16 +146,22 @@ def _padded_bytes(text: str, device) -> torch.Tensor:
     return torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
 
 
+def _gather_texts(text: str, group, device, timeout, what: str) -> list[str]:
+    """Every rank's ``text``, in group rank order: two all-gathers (the byte lengths, then the padded
+    bytes); every rank must take this step (they all decided so from the same gathered table)."""
+    data = _padded_bytes(text, device)
+    lengths = _all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), group, timeout,
+                          what, skipped=False).view(-1).tolist()  # every rank took step 1: none skipped
+    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    every = _all_gather(padded, group, timeout, what, skipped=False).cpu()
+    return [bytes(every[r, :lengths[r]].tolist()).decode(errors="replace") for r in range(len(lengths))]
+
+
 def _describe_mismatch(fields: Sequence[tuple[str, Any]], group, device, timeout, what: str) -> str:
     """Step 2: every rank's readable values (and per-field digests); the differing fields named."""
     mine = json.dumps([[name, _readable(value), _digest(repr(_hashable(value)))] for name, value in fields])
-    data = _padded_bytes(mine, device)
-    lengths = _all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), group, timeout,
-                          what, skipped=False).view(-1).tolist()  # every rank took step 1: none skipped
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
-    every = _all_gather(padded, group, timeout, what, skipped=False).cpu()
-    tables = [json.loads(bytes(every[r, :lengths[r]].tolist()).decode()) for r in range(len(lengths))]
+    tables = [json.loads(text) for text in _gather_texts(mine, group, device, timeout, what)]
     base = {name: (value, d) for name, value, d in tables[0]}
     lines = []  # the same text on every rank: each rank that differs from rank 0, field by field
     for r, table in enumerate(tables[1:], start=1):
@@ -161,6 +170,12 @@ def _describe_mismatch(fields: Sequence[tuple[str, Any]], group, device, timeout
             if name not in theirs or theirs[name][1] != d0:
                 lines.append(f"rank {r} passed {name}={theirs.get(name, ('(nothing)',))[0]}, rank 0 passed {value0}")
     return "; ".join(lines) or "the signatures differ but no single field does (different field lists)"
+
+
+def _refusal(error: BaseException) -> str:
+    """What a rank whose own checks failed tells its peers: the error's type and message, cut short."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 4 * _VALUE_CHARS else text[:4 * _VALUE_CHARS - 3] + "..."
 
 
 def gather_rows(group, values: Sequence[int], *, what: str, device: torch.device | str | None = None,
@@ -226,11 +241,17 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
             raise error from None
         raise
     failed = [r for r, (s, _) in enumerate(table) if s]
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(f"{what}: the argument checks failed on another rank of the group, rank(s) {failed} "
-                         "(their own ValueError says why); no rank started the ring")
+    if failed:  # every rank sees the same table: all take this step, and each failed rank's cause reaches all
+        try:
+            causes = _gather_texts("" if error is None else _refusal(error), group, device, timeout, what)
+        except (TimeoutError, RuntimeError):
+            if error is not None:
+                raise error from None
+            raise
+        if error is not None:
+            raise error
+        raise ValueError(f"{what}: " + "; ".join(f"rank {r} of the group refused: {causes[r]}" for r in failed)
+                         + " (no rank started the ring)")
     if any(d != table[0][1] for _, d in table):
         detail = _describe_mismatch(fields, group, device, timeout, what)
         raise ValueError(f"{what}: the ranks of the group were called with different arguments: {detail}. "
@@ -245,13 +266,14 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
 @contextlib.contextmanager
 def agreeing(group, *, what: str = "ring_attention", device=None, timeout=None, enabled: bool | None = None,
              cached: bool = True):
-    """Run a block of argument checks: a ``ValueError`` raised inside is told to the group's other
-    ranks (:func:`agree` with ``error=``) before it propagates, so that they raise too instead of
-    waiting for this rank.  With ``cached=False`` a block that passes also joins the exchange
+    """Run a block of argument checks: an exception raised inside (of any type) is told to the group's
+    other ranks (:func:`agree` with ``error=``: they raise ``ValueError`` "rank r of the group refused:
+    ..." with its type and message) before it propagates, so that they raise too instead of waiting
+    for this rank.  With ``cached=False`` a block that passes also joins the exchange
     (every rank meets on every call)."""
     try:
         yield
-    except ValueError as err:
+    except Exception as err:  # of any type (a TypeError, a ZeroDivisionError): the peers must not wait
         agree(group, None, what=what, error=err, device=device, timeout=timeout, enabled=enabled, cached=cached)
         raise
     if not cached:

@@ -94,13 +94,18 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
     once, its heads split in two halves (:func:`striped_sp.engine.step.head_splits`); a visiting
     K/V block is dropped once passed on.  Masked plans take the caller's tensors contiguous (a
     copy of those that are not, for the pass): their calls gather rows, and gathering from a
-    strided view (``[s, b, ...]`` storage with ``b > 1``) copies the whole tensor each time."""
+    strided view (``[s, b, ...]`` storage with ``b > 1``) copies the whole tensor each time.  Dense
+    plans copy only a tensor whose head dim is not unit-strided (the kernels' precondition)."""
     kernel, scale, steps, shared = plan.kernel, plan.scale, plan.steps, plan.shared
     n, rank = plan.world_size, plan.rank
     dout, q, k, v, out = rows_in(plan.order, dout, q, k, v, out)  # the plan's run order (engine/run_order.py)
     lse, = rows_in(plan.order, lse, dim=2)
     if plan.masked:
         dout, q, k, v = (t.contiguous() for t in (dout, q, k, v))
+    else:  # the fused kernels' backward needs a unit stride along the head dim (a strided or [b, s, d, h]
+        # view gave wrong gradients silently): copy only a tensor that lacks it, never a [b, s, h, d] /
+        # [s, b, h, d] view
+        dout, q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, q, k, v))
     acc = accumulator_dtype(q.dtype)  # float32; float64 for float64 inputs
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k, v

@@ -25,7 +25,6 @@ from ..plan.ring_plan import RingPlan, build_ring_plan
 from .autograd import backward_steps, forward_steps
 from .request import RingRequest, _equal_head_dims
 from .transport import LocalRing, run_local
-from .ulysses import check_ulysses
 
 __all__ = ["simulate", "local_plans", "Simulation"]
 
@@ -45,18 +44,21 @@ class Simulation:
 
 
 def local_plans(request: RingRequest, world_size: int, local_len: int, *, device, dtype, head_dim: int,
-                scale: float, batch: int = 1, kernel=None, heads: int = 1) -> list[RingPlan]:
+                scale: float, batch: int = 1, kernel=None, heads: int = 1, strict_block: str | None = None,
+                comm_dtype: torch.dtype | None = None) -> list[RingPlan]:
     """Every rank's plan of a ring of ``world_size`` for ``request`` (its layout, or its grouped
     layout under Ulysses, where ``world_size`` is the outer ring's and ``local_len`` a member's
-    gathered tokens)."""
+    gathered tokens).  ``strict_block`` / ``comm_dtype``: the call's, as
+    :class:`~striped_sp.engine.request.RingRequest` resolves them (default: the sliced strict block,
+    the request's ``grad_comm_dtype`` or the accumulator dtype)."""
     u = request.ulysses_size
     n_all = world_size * u
     kernel = kernel or resolve_kernel(request.backend, device, dtype, head_dim, deterministic=request.deterministic)
     mask = request._mask(local_len // u, n_all)
     layout = GroupedLayout(request.layout, u) if request.hierarchical else request.layout
-    comm = request.grad_comm_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
+    comm = comm_dtype or request.grad_comm_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
     return [build_ring_plan(layout, mask, request.causal, world_size, r, local_len, kernel=kernel, scale=scale,
-                            comm_dtype=comm, device=device, dtype=dtype, head_dim=head_dim, batch=batch, heads=heads)
+                            comm_dtype=comm, strict_block=strict_block or "sliced", device=device, dtype=dtype, head_dim=head_dim, batch=batch, heads=heads)
             for r in range(world_size)]
 
 
@@ -70,16 +72,15 @@ def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = Tr
     same batch: nothing is planned or placed).  On ``meta`` tensors nothing is computed: a dry run
     of the device path (shards and results are empty tensors of the right shapes)."""
     request = RingRequest(None, **request_args)
-    n, u = world_size, request.ulysses_size
-    if q.size(1) % n:
-        raise ValueError(f"sequence length {q.size(1)} must be a multiple of world_size={n}")
-    check_ulysses(u, n, q.size(2), k.size(2))
+    n, u = _check_full(q, k, v, dout, world_size, request), request.ulysses_size
+    # every check of ring_attention, on rank 0's shapes (views: nothing copied); the same kernel,
+    # scale, grad_comm_dtype and strict block form as the ring would run
+    call = request._prepare(*(t[:, :t.size(1) // n] for t in (q, k, v)), None, world_size=n, kernel=kernel)
+    kernel = call.kernel
     cu = request.bounds
     shards = [[_shard(t, n, r, request.layout, cu) for r in range(n)] for t in (q, k, v)]
     if dout is not None:
         shards.append([_shard(dout, n, r, request.layout, cu) for r in range(n)])
-    kernel = kernel or resolve_kernel(request.backend, q.device, q.dtype, max(q.size(-1), v.size(-1)),
-                                      deterministic=request.deterministic)
     value_dim = v.size(-1)
     outs, grads = [None] * n, [[None] * n for _ in range(3)]
     built, rings = [], []
@@ -87,17 +88,17 @@ def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = Tr
         members = [[_gather(part, g, i, u, what) for g in range(n // u)]
                    for part, what in zip(shards, ("q", "kv", "kv", "q"))]
         padded = [_equal_head_dims(a, b, c, kernel) for a, b, c in zip(*members[:3])]
-        d_call = padded[0][0].size(-1)
+        d_out = padded[0][2].size(-1)  # dout's head dim: v's as the kernel takes it (padded or native)
         plan_i = plans[i] if plans is not None else local_plans(
-            request, n // u, members[0][0].size(1), device=q.device, dtype=q.dtype, head_dim=d_call,
-            scale=request.softmax_scale or q.size(-1) ** -0.5, batch=q.size(0), kernel=kernel,
-            heads=members[0][0].size(2))
+            request, n // u, members[0][0].size(1), device=q.device, dtype=q.dtype,
+            head_dim=max(q.size(-1), value_dim), scale=call.scale, batch=q.size(0), kernel=kernel,
+            heads=members[0][0].size(2), strict_block=call.strict_block, comm_dtype=call.comm)
         ring = LocalRing(n // u, copy=copy)
         tick = None if clock is None else (lambda r, t, s, i=i: clock(i, r, t, s))
         fwd = run_local([forward_steps(*padded[r], plan_i[r], ring.transports[r]) for r in range(n // u)], tick)
         bwd = None
         if dout is not None:
-            do = [_pad_like(t, d_call) for t in members[3]]
+            do = [_pad_like(t, d_out) for t in members[3]]
             bwd = run_local([backward_steps(do[r], *padded[r], fwd[r][0], fwd[r][1], plan_i[r], ring.transports[r])
                              for r in range(n // u)], tick)
         for g in range(n // u):
@@ -111,6 +112,32 @@ def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = Tr
         rings.append(ring)
     full = [None if parts[0] is None else _unshard(parts, request.layout, cu) for parts in [outs, *grads]]
     return Simulation(full[0], full[1], full[2], full[3], built, rings)
+
+
+def _check_full(q, k, v, dout, world_size, request: RingRequest) -> int:
+    """``world_size`` once the full-sequence inputs fit it (``TypeError`` / ``ValueError`` naming the
+    argument): the rules of :func:`~striped_sp.engine.request.ring_attention` that concern the whole
+    row; the per-rank ones follow on rank 0's shapes."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size={world_size!r} must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    named = [("q", q), ("k", k), ("v", v)] + ([] if dout is None else [("dout", dout)])
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}: expected 4 dims [batch, seq, heads, head_dim] "
+                             "(the full sequence)")
+    if q.size(1) != k.size(1):
+        raise ValueError(f"sequence lengths differ: q has {q.size(1)}, k and v have {k.size(1)}")
+    request.layout.check_seq_len(q.size(1), world_size)
+    if dout is not None:
+        want = (*q.shape[:3], v.size(-1))
+        if tuple(dout.shape) != want or dout.dtype != q.dtype or dout.device != q.device:
+            raise ValueError(f"dout is {tuple(dout.shape)} {dout.dtype} on {dout.device}: expected the output's "
+                             f"{want} {q.dtype} on {q.device} ([batch, seq, heads, v_head_dim])")
+    return world_size
 
 
 def _shard(x: torch.Tensor, n: int, rank: int, layout, cu) -> torch.Tensor:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
+import math
 import numbers
 
 import torch
@@ -35,7 +37,7 @@ from ..plan.layouts import Layout, get_layout
 from ..plan.masks import MaskSpec, as_bounds, check_window, make_mask
 from ..plan.ring_plan import HostPlan, RingPlan
 from .plans import host_plan_for, plan_for
-from .transport import TorchTransport, ring_timeout
+from .transport import DEFAULT_TIMEOUT_S, TorchTransport, ring_timeout
 from .step import strict_block_mode
 from ..plan.grouped import GroupedLayout
 from .ulysses import check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads, ulysses_ring_groups
@@ -97,18 +99,16 @@ class RingRequest:
                  deterministic: bool = False, ulysses_size: int = 1, ulysses_groups=None,
                  grad_comm_dtype: torch.dtype | None = None, timeout: float | None = None,
                  stripe_size: int | None = None, doc_placement=None):
-        self.group = group
+        self.group = check_group(group)
         self.layout: Layout = get_layout(layout, stripe_size, doc_placement)
-        self.causal = bool(causal)
-        if softmax_scale is not None and not float(softmax_scale) > 0:
-            raise ValueError(f"softmax_scale={softmax_scale} must be positive")
-        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        self.causal = check_flag("causal", causal)
+        self.softmax_scale = check_scale(softmax_scale)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
         self.backend = backend
         self.window = window_of(window_size, sliding_window, self.causal)
         self.bounds = None if cu_seqlens is None else batch_bounds(cu_seqlens)
-        self.deterministic = bool(deterministic)
+        self.deterministic = check_flag("deterministic", deterministic)
         if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
             raise ValueError(f"ulysses_size={ulysses_size!r} must be a positive int")
         self.ulysses_size, self.ulysses_groups = ulysses_size, ulysses_groups
@@ -146,9 +146,17 @@ class RingRequest:
         model, where the batch is made: the layers then find it in the plan cache.  Checks the
         documents and window (``ValueError``); sends nothing.  ``world_size`` / ``rank``: of the
         CP group (default: this request's group)."""
-        if world_size is None or rank is None:
+        if (world_size is None) != (rank is None):
+            raise ValueError(f"prepare: world_size={world_size!r} and rank={rank!r}: give both (the CP group's size "
+                             "and this rank in it) or neither (then the request's group says)")
+        if world_size is None:
             group = self._group()
             world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"prepare: {name}={value!r} must be an int >= {low}")
+        if rank >= world_size:
+            raise ValueError(f"prepare: rank={rank} must be below world_size={world_size}")
         self.layout.check_seq_len(seq_len, world_size)
         local = seq_len // world_size
         mask = self._mask(local, world_size)
@@ -168,10 +176,11 @@ class RingRequest:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[batch, s_local, heads, v_head_dim]`` in ``q.dtype`` (see :func:`ring_attention`)."""
         group = self._group()
-        check_ranks = check_ranks_enabled()
-        timeout = ring_timeout(self.timeout)
+        check_ranks, timeout, setting_error = _settings(self.timeout)
         device = q.device if isinstance(q, torch.Tensor) else None
         with agreeing(group, device=device, timeout=timeout, enabled=check_ranks):
+            if setting_error is not None:
+                raise setting_error
             call = self._prepare(q, k, v, group)
         if check_ranks:
             self._agree(q, k, v, group, call, timeout)
@@ -199,8 +208,10 @@ class RingRequest:
                         device=q.device, dtype=q.dtype, head_dim=max(q.size(-1), v.size(-1)), batch=q.size(0),
                         heads=q.size(2))
 
-    def _prepare(self, q, k, v, group) -> _Call:
-        """Every check of one call (nothing sent); the shape-dependent results cached."""
+    def _prepare(self, q, k, v, group, *, world_size: int | None = None, kernel: Kernel | None = None) -> _Call:
+        """Every check of one call (nothing sent); the shape-dependent results cached.  ``group=None``
+        with ``world_size`` (and optionally a ``kernel`` instead of the backend's): the checks of a ring
+        of that size without a process group (the in-process executor, :mod:`striped_sp.engine.local`)."""
         _check_inputs(q, k, v, self.layout)
         if self.bounds is not None and q.size(0) != 1:
             raise ValueError(
@@ -213,7 +224,7 @@ class RingRequest:
         else:
             if len(self._calls) >= _CALLS:  # rows of many lengths (variable-length batches): the oldest goes
                 self._calls.pop(next(iter(self._calls)))
-            call = self._calls[key] = self._build_call(q, k, v, group)
+            call = self._calls[key] = self._build_call(q, k, v, group, world_size, kernel)
         gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
         # the environment may change between calls: the strict block form is read each time
         strict = strict_block_mode(call.kernel, q.device, q.dtype, max(q.size(-1), v.size(-1)), applies=(
@@ -221,17 +232,21 @@ class RingRequest:
             and self.window is None and not self.hierarchical))
         return call if strict == call.strict_block else dataclasses.replace(call, strict_block=strict)
 
-    def _build_call(self, q, k, v, group) -> _Call:
+    def _build_call(self, q, k, v, group, world_size: int | None = None, kernel: Kernel | None = None) -> _Call:
         call_dim = max(q.size(-1), v.size(-1))  # the kernels' head dim once padded (MLA)
-        kernel = resolve_kernel(self.backend, q.device, q.dtype, call_dim, deterministic=self.deterministic)
+        if kernel is None:
+            kernel = resolve_kernel(self.backend, q.device, q.dtype, call_dim, deterministic=self.deterministic)
         comm = accumulator_dtype(q.dtype) if self.grad_comm_dtype is None else self.grad_comm_dtype
         if comm not in (torch.float32, torch.bfloat16, torch.float16, accumulator_dtype(q.dtype)):
             raise ValueError(f"grad_comm_dtype={self.grad_comm_dtype} must be torch.float32, torch.bfloat16 or "
                              "torch.float16 (or torch.float64 with float64 inputs)")
         scale = q.size(-1) ** -0.5 if self.softmax_scale is None else self.softmax_scale
-        n = dist.get_world_size(group)
+        n = dist.get_world_size(group) if group is not None else world_size
         u = 1
-        if self.hierarchical:
+        if self.hierarchical and group is None:
+            u = self.ulysses_size
+            check_ulysses(u, n, q.size(2), k.size(2))
+        elif self.hierarchical:
             if self.ulysses_groups is not None and not self._groups_checked:
                 check_ulysses_groups(group, self.ulysses_groups, self.ulysses_size)
                 self._groups_checked = True
@@ -292,8 +307,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v must match in batch, s_local and kv heads, got k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)} (only the head dim may differ)")
-    if v.size(3) == 0:
-        raise ValueError(f"v has shape {tuple(v.shape)}: its head dim must be positive")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if min(t.shape) == 0:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}: every dim (batch, s_local, heads, head_dim) "
+                             "must be positive")
     if q.size(0) != k.size(0):
         raise ValueError(f"batch sizes differ: q has {q.size(0)}, k and v have {k.size(0)}")
     if q.size(3) != k.size(3):
@@ -304,6 +321,53 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
     layout.check_local_len(q.size(1))
+
+
+def check_group(group):
+    """``group`` unless it is neither ``None`` nor a process group (``TypeError`` naming it)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group={group!r} must be a torch.distributed ProcessGroup or None (the default group), "
+                        f"got {type(group).__name__}")
+    return group
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool argument (``causal``, ``deterministic``): a Python or NumPy bool, or the int 0 / 1;
+    anything else (a string such as ``"False"``, which ``bool()`` reads as true) is a ``TypeError``."""
+    if isinstance(value, bool) or (type(value).__name__ == "bool_" and type(value).__module__ == "numpy"):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name}={value!r} must be a bool, got {type(value).__name__}")
+
+
+def check_scale(softmax_scale) -> float | None:
+    """``softmax_scale`` as a float, ``None`` kept (head_dim ** -0.5 at the call): a finite real > 0."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale={softmax_scale!r} must be a real number (a finite float > 0) or None, "
+                        f"got {type(softmax_scale).__name__}")
+    value = float(softmax_scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be positive and finite (a number > 0)")
+    return value
+
+
+def _settings(timeout) -> tuple[bool, datetime.timedelta, Exception | None]:
+    """The check setting and the ring timeout of a call, and the error of a bad one: raised inside the
+    agreement, so that the peers hear of it instead of waiting (a bad one reads as the default: the
+    check on, the default timeout)."""
+    error = None
+    try:
+        check_ranks = check_ranks_enabled()
+    except ValueError as err:
+        check_ranks, error = True, err
+    try:
+        ring_to = ring_timeout(timeout)
+    except ValueError as err:
+        ring_to, error = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), error or err
+    return check_ranks, ring_to, error
 
 
 def _equal_head_dims(q, k, v, kernel: Kernel):
@@ -422,17 +486,18 @@ def ring_attention(
     afterwards (:mod:`striped_sp.engine.agreement`), that every rank of the group passed the same; ranks that
     disagree all raise a ``ValueError`` naming the field.  ``STRIPED_SP_CHECK_RANKS=0`` turns it off.
     """
-    if group is None:
+    if check_group(group) is None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "no process group initialized: call torch.distributed.init_process_group() "
                 "or pass group="
             )
         group = dist.group.WORLD
-    check_ranks = check_ranks_enabled()
-    ring_to = ring_timeout(timeout)
+    check_ranks, ring_to, setting_error = _settings(timeout)
     with agreeing(group, device=q.device if isinstance(q, torch.Tensor) else None, timeout=ring_to,
                   enabled=check_ranks):
+        if setting_error is not None:
+            raise setting_error
         request = RingRequest(group, layout=layout, causal=causal, softmax_scale=softmax_scale, backend=backend,
                               cu_seqlens=cu_seqlens, window_size=window_size, deterministic=deterministic,
                               ulysses_size=ulysses_size, ulysses_groups=ulysses_groups,

@@ -353,7 +353,7 @@ def _vet_local_mask(mask: torch.Tensor, group, layout: str, local_len: int):
             if any(len(b) > 2 for b in documents):
                 raise ValueError("its rows hold document starts")
     except ValueError as error:
-        if str(error).startswith(f"{what}: the argument checks failed on another rank"):
+        if str(error).startswith(f"{what}: rank ") and " of the group refused: " in str(error):
             error = "another rank's rows of it are not plain causal"
         raise ValueError(
             f"attention_mask is not plain causal ({error}) and did not come through striped_sp's batch "

@@ -24,6 +24,7 @@ both the positions and the masked block plans (:mod:`striped_sp.plan.masks`) der
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import torch
@@ -354,7 +355,7 @@ def _parse_params(text: str) -> dict:
         if not sep or key.strip() not in names:
             raise ValueError(f"layout parameter {item!r}: expected stripe=<int>|doc or place=split|auto|<int>")
         val = val.strip()
-        params[names[key.strip()]] = int(val) if val.lstrip("-").isdigit() else val
+        params[names[key.strip()]] = int(val) if re.fullmatch(r"-?[0-9]+", val) else val
     return params
 
 
@@ -390,6 +391,11 @@ def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placeme
 
 
 def _check_rank(world_size: int, rank: int) -> None:
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must satisfy 0 <= rank < world_size={world_size}")
 
@@ -411,9 +417,19 @@ def positions(seq_len: int, world_size: int, rank: int, layout: str = "striped",
     return lay.positions(seq_len, world_size, rank, bounds)
 
 
+def _check_dim(what: str, name: str, x, dim) -> int:
+    """``dim`` of tensor ``x`` as a non-negative index (``TypeError`` / ``ValueError`` naming both)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{what}: dim={dim!r} is not a dim of {name} of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
 def shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1, layout: str = "striped",
           cu_seqlens=None, stripe_size: int | None = None, doc_placement=None) -> torch.Tensor:
     """The part of ``x`` that ``rank`` holds: ``x.index_select(dim, positions(...))``."""
+    dim = _check_dim("shard", "x", x, dim)
     idx = positions(x.size(dim), world_size, rank, layout, cu_seqlens, stripe_size, doc_placement).to(x.device)
     return x.index_select(dim, idx)
 
@@ -421,16 +437,23 @@ def shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1, layout: str
 def unshard(shards: Sequence[torch.Tensor], dim: int = 1, layout: str = "striped", cu_seqlens=None,
             stripe_size: int | None = None, doc_placement=None) -> torch.Tensor:
     """The full tensor from every rank's shard, in rank order (the inverse of :func:`shard`)."""
+    if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence):
+        raise TypeError(f"unshard takes a list of every rank's shard (tensors), got {type(shards).__name__}")
     if len(shards) == 0:
         raise ValueError("unshard needs at least one shard, got an empty list")
     lay = get_layout(layout, stripe_size, doc_placement)
     world_size = len(shards)
+    dim = _check_dim("unshard", "shard 0", shards[0], dim)
     local = shards[0].size(dim)
     for r, s in enumerate(shards):
+        _check_dim("unshard", f"shard {r}", s, dim)
         if s.size(dim) != local:
             raise ValueError(
                 f"shard {r} has {s.size(dim)} tokens on dim {dim}, shard 0 has {local}: all must be equal"
             )
+        if s.shape != shards[0].shape or s.dtype != shards[0].dtype or s.device != shards[0].device:
+            raise ValueError(f"shard {r} is {tuple(s.shape)} {s.dtype} on {s.device}, shard 0 is "
+                             f"{tuple(shards[0].shape)} {shards[0].dtype} on {shards[0].device}: all must match")
     seq_len = local * world_size
     stacked = torch.cat(list(shards), dim=dim)
     order = torch.cat([positions(seq_len, world_size, r, lay, cu_seqlens) for r in range(world_size)])

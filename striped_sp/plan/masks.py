@@ -36,6 +36,9 @@ __all__ = ["MaskSpec", "Segments", "SegmentCall", "check_cu_seqlens", "check_win
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+_INT64_MAX = 2 ** 63 - 1
+
+
 def as_bounds(cu_seqlens) -> tuple[int, ...]:
     """``cu_seqlens`` (1-D integer tensor, array or sequence of ints) as a tuple of ints;
     ``ValueError`` for any other shape or type."""
@@ -45,6 +48,9 @@ def as_bounds(cu_seqlens) -> tuple[int, ...]:
         except (TypeError, RuntimeError):
             raise ValueError(f"cu_seqlens of type {type(cu_seqlens).__name__} is not an integer array") from None
     if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type == "meta":
+            raise ValueError("cu_seqlens is on the meta device, which holds no values: pass the boundaries as a "
+                             "CPU or device tensor, or a list of ints")
         if cu_seqlens.dim() != 1:
             raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}: it must be 1-D "
                              "(document boundaries [0, l1, l1+l2, ..., S] of the global packed row)")
@@ -106,6 +112,9 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
             val = int(val)
         if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < -1:
             raise ValueError(f"window_size {name}={val!r} must be an int >= -1 (-1: no limit)")
+        if val > _INT64_MAX:
+            raise ValueError(f"window_size {name}={val!r} is beyond int64 (at most {_INT64_MAX}; a side as long as "
+                             "the row or longer is no limit: -1 says so)")
     left, right = int(left), int(right)
     if causal and right != 0:
         raise ValueError(f"window_size=({left}, {right}): right must be 0 when causal=True "
@@ -131,6 +140,9 @@ def make_mask(seq_len, world_size, layout, cu_seqlens=None, window_size=None, ca
     """Checked :class:`MaskSpec` (``ValueError`` on a bad ``cu_seqlens`` or ``window_size``)."""
     bounds = (0, seq_len) if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len, world_size, layout)
     left, right = check_window(window_size, causal)
+    # a side that reaches past the row bounds nothing: no limit (the plans' index arithmetic would
+    # overflow int64 on a side near 2**63)
+    left, right = (-1 if side >= seq_len else side for side in (left, right))
     return MaskSpec(seq_len, bounds, left, right)
 
 
