@@ -85,8 +85,10 @@ class GroupedLayout(Layout):
         (an outer ring, or a ring of one whose gathered row is already in natural order)."""
         if world_size != 1:
             return None
-        # the global position of each gathered row: the members' shards one after another
-        position = torch.cat([self.base.positions(seq_len, self.u, j, cu_seqlens) for j in range(self.u)])
+        runs = self.gathered_runs(seq_len, 1, 0, cu_seqlens)  # every member's, expanded at once
+        count = runs[:, 2]
+        run = torch.repeat_interleave(torch.arange(runs.size(0)), count, output_size=seq_len)
+        position = runs[run, 1] + runs[run, 3] * (torch.arange(seq_len) - (torch.cumsum(count, 0) - count)[run])
         if torch.equal(position, torch.arange(seq_len)):
             return None
         order = torch.empty_like(position)

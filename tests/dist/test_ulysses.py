@@ -104,6 +104,10 @@ def _cases():
                   (2, "striped", "gqa", torch.float32, SEED + 8, None, None, True)))
     cases.append(("u4-zigzag-pure-ulysses-groups", check_hierarchical,
                   (4, "zigzag", "gqa", torch.float32, SEED + 10, None, None, "pure")))
+    # pure Ulysses on packed rows: the gathered row in natural order, the documents as given
+    cases.append(("u4-striped-docs-window", check_hierarchical,
+                  (4, "striped", "gqa", torch.float32, SEED + 11, docs, (4, 0))))
+    cases.append(("u4-zigzag-docs", check_hierarchical, (4, "zigzag", "mha", torch.float32, SEED + 12, [0, 8, 24, 32])))
     cases.append(("bad-input", check_bad_input, (SEED + 9,)))
     return cases
 
