@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from local_exact import check_simulation_exact
 from reference import reference_attention
 from seeds import seed_for
 from striped_sp.engine import local
@@ -21,12 +22,6 @@ from striped_sp.kernels import KERNELS, TorchKernel
 from striped_sp.plan.cost import model_for
 
 pytestmark = pytest.mark.dist
-
-
-def _docs(seq_len: int, gen: torch.Generator) -> list[int]:
-    """Random document bounds: some shorter than the ring, one long."""
-    cuts = sorted(set(torch.randint(1, seq_len, (7,), generator=gen).tolist()) | {3, 4})
-    return [0, *cuts, seq_len]
 
 
 CASES = [  # (N, tokens per rank, request arguments; "docs" = random documents)
@@ -64,27 +59,7 @@ CASES = [  # (N, tokens per rank, request arguments; "docs" = random documents)
 @pytest.mark.parametrize("n,per_rank,args", CASES, ids=lambda c: str(c) if not isinstance(c, dict) else
                          ",".join(f"{k}={v}" for k, v in c.items()))
 def test_local_ring_is_exact_at_large_n(n, per_rank, args):
-    gen = torch.Generator().manual_seed(seed_for(f"local-{n}-{args}"))
-    seq = n * per_rank
-    args = dict(args)
-    docs = args.pop("docs", False)
-    if docs == "padded":  # zigzag: every document a multiple of 2N (as pad_documents leaves them)
-        unit = 2 * n
-        args["cu_seqlens"] = [0, *sorted(set((torch.randint(1, seq // unit, (3,), generator=gen) * unit).tolist())), seq]
-    elif docs:
-        args["cu_seqlens"] = _docs(seq, gen)
-    h, kvh, d = 8, 2, 8
-    q, do = (torch.randn(1, seq, h, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, seq, kvh, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    causal = args.get("causal", True)
-    ref = reference_attention(qr, kr, vr, causal, d ** -0.5, args.get("cu_seqlens"), args.get("window_size"))
-    (ref * do).sum().backward()
-    sim = local.simulate(q, k, v, n, do, backend="torch", **args)
-    for name, got, want in (("out", sim.out, ref), ("dq", sim.dq, qr.grad), ("dk", sim.dk, kr.grad),
-                            ("dv", sim.dv, vr.grad)):
-        err = (got - want.detach()).abs().max().item() / max(1.0, want.abs().max().item())
-        assert err < 1e-10, (name, err)
+    check_simulation_exact(n, per_rank, args, f"local-{n}-{args}")
 
 
 def test_local_ring_names_a_missing_message():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import reference_attention
+from local_exact import check_simulation_exact
 from seeds import seed_for
 from striped_sp.bench.overhead import HostWork
 from striped_sp.engine import local
@@ -108,30 +108,8 @@ EXACT = [  # (N, tokens per rank, request arguments; "docs" = random documents),
 @pytest.mark.parametrize("n,per_rank,args", EXACT, ids=lambda c: str(c) if not isinstance(c, dict) else
                          ",".join(f"{k}={v}" for k, v in c.items()))
 def test_hierarchical_is_exact_at_large_n(n, per_rank, args):
-    gen = torch.Generator().manual_seed(seed_for(f"ulysses-{n}-{args}"))
-    seq = n * per_rank
-    args = dict(args)
-    docs = args.pop("docs", False)
-    if docs == "padded":  # zigzag: every document a multiple of 2N
-        unit = 2 * n
-        args["cu_seqlens"] = [0, *sorted(set((torch.randint(1, seq // unit, (3,), generator=gen) * unit).tolist())),
-                              seq]
-    elif docs:
-        cuts = sorted(set(torch.randint(1, seq, (7,), generator=gen).tolist()) | {3, 4})
-        args["cu_seqlens"] = [0, *cuts, seq]
-    u = args["ulysses_size"]
-    h, kvh, d = max(u, 4), 2, 4  # kv heads 2: replicated when u > 2
-    q, do = (torch.randn(1, seq, h, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, seq, kvh, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    causal = args.get("causal", True)
-    ref = reference_attention(qr, kr, vr, causal, d ** -0.5, args.get("cu_seqlens"), args.get("window_size"))
-    (ref * do).sum().backward()
-    sim = local.simulate(q, k, v, n, do, backend="torch", **args)
-    for name, got, want in (("out", sim.out, ref), ("dq", sim.dq, qr.grad), ("dk", sim.dk, kr.grad),
-                            ("dv", sim.dv, vr.grad)):
-        err = (got - want.detach()).abs().max().item() / max(1.0, want.abs().max().item())
-        assert err < 1e-10, (name, err)
+    u = args["ulysses_size"]  # kv heads 2: replicated when u > 2
+    check_simulation_exact(n, per_rank, args, f"ulysses-{n}-{args}", heads=max(u, 4), kv_heads=2, head_dim=4)
 
 
 @pytest.fixture
