@@ -233,9 +233,6 @@ class RingRequest:
         return call if strict == call.strict_block else dataclasses.replace(call, strict_block=strict)
 
     def _build_call(self, q, k, v, group, world_size: int | None = None, kernel: Kernel | None = None) -> _Call:
-        call_dim = max(q.size(-1), v.size(-1))  # the kernels' head dim once padded (MLA)
-        if kernel is None:
-            kernel = resolve_kernel(self.backend, q.device, q.dtype, call_dim, deterministic=self.deterministic)
         comm = accumulator_dtype(q.dtype) if self.grad_comm_dtype is None else self.grad_comm_dtype
         if comm not in (torch.float32, torch.bfloat16, torch.float16, accumulator_dtype(q.dtype)):
             raise ValueError(f"grad_comm_dtype={self.grad_comm_dtype} must be torch.float32, torch.bfloat16 or "
@@ -258,6 +255,10 @@ class RingRequest:
                     "groups once on every rank with striped_sp.ulysses_ring_groups(...) and pass "
                     "ulysses_groups=(inner, outer)")
         mask = self._mask(q.size(1), n)
+        if kernel is None:  # by (d, dv): a kernel with MLA shapes of its own (FA4's (192, 128)) is judged on them
+            dims = q.size(-1) if q.size(-1) == v.size(-1) else (q.size(-1), v.size(-1))
+            kernel = resolve_kernel(self.backend, q.device, q.dtype, dims, deterministic=self.deterministic,
+                                    varlen=mask is not None)
         if mask is not None and kernel.varlen_unavailable_reason() is not None:
             what = "hierarchical CP (ulysses_size > 1 runs the varlen plans)" if self.hierarchical else \
                 "cu_seqlens / window_size"
