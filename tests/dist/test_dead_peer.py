@@ -21,7 +21,7 @@ from seeds import seed_for
 from striped_sp.engine import transport as ring
 
 SEED = seed_for(__name__)
-RING_TIMEOUT_S = 60.0  # a dead peer must be reported long before this
+RING_TIMEOUT_S = 20.0  # a dead peer must be reported long before this (PROMPT_S); a lost detection fails in 20 s
 PROMPT_S = 10.0
 DIES_AFTER_S = 1.0  # rank 1 dies this long after the ranks agreed (rank 0 is then waiting in the ring)
 
