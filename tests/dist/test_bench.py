@@ -158,11 +158,19 @@ def test_cli_rejects_bad_input(capsys):
 
 
 def test_sim_tensor_formats_agree_on_the_work(capsys):
-    """``--tensor-format bshd`` runs the same plans through the kernel's [b, s, h, d] API."""
+    """``--tensor-format bshd`` runs the same plans through the kernel's [b, s, h, d] API: the same
+    rows (layout, N, pass) with the same work model column, which the plans' score entries give."""
+    work = {}
     for fmt in ("native", "bshd"):
         assert main(["bench", "sim", "--world-sizes", "2", "--tokens-per-rank", "16", "--heads", "2", "--head-dim", "8",
                      "--reps", "1", "--no-progress", "--device", "cpu", "--tensor-format", fmt]) == 0
-        assert f"tensor format {fmt}" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert f"tensor format {fmt}" in out
+        rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["striped"], ["zigzag"], ["contiguous"])]
+        work[fmt] = {(r[0], r[1], r[4]): r[7] for r in rows if len(r) == 9}
+    assert len(work["native"]) == 9, work["native"]  # 3 layouts x forward / backward / fwd+bwd
+    assert work["native"] == work["bshd"]
+    assert work["native"][("striped", "2", "forward")] != work["native"][("contiguous", "2", "forward")]
 
 
 def test_time_call_never_counts_the_warm_up():
