@@ -29,6 +29,7 @@ from .config import ContextParallelSettings, check_requested, load_config, parse
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups, ulysses_groups
+from .report import announce
 from .data import IGNORE_INDEX, ShardedDataLoader
 from .zero import check_sequence_parallel_settings, fix_zero3_sequence_parallel_grads
 
@@ -251,6 +252,7 @@ def initialize(
         cfg.pop("data_parallel_size", None)  # checked above; the groups come through mpu, not a mesh
     groups = sequence_parallel_groups(settings.sequence_parallel_size, mpu)
     adapt_model(model, settings, groups)
+    announce(model, settings, groups, cfg)
     if (settings.enabled and training_data is None and not get_layout(settings.layout).contiguous_slices
             and any(isinstance(m, DistributedAttention) for m in model.modules())):
         warnings.warn(

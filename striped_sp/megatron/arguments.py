@@ -147,7 +147,7 @@ def add_arguments(parser):
     add(
         "--striped-calibrate",
         action="store_true",
-        help="Time the attention kernel on each CP group's first rank when the model is built and give "
+        help="Time the attention kernel on global rank 0 when the model is built and give "
         "every rank that cost model (instead of the table's; on GPUs a prediction) for the 'auto' "
         "choices (--striped-stripe-size auto with --sft, --striped-doc-placement auto) and the "
         "packed plans' schedules. A few seconds, once.",
@@ -222,6 +222,23 @@ def _cp_comm_types(value) -> list[str]:
     return list(value)
 
 
+def note_layout(args) -> None:
+    """Set ``args.striped_layout`` and ``args.striped_stripe_policy`` for a non-native algo, so that
+    Megatron's argument dump shows what ``auto`` stands for (the layout key with
+    ``--striped-stripe-size auto`` resolved for this model, and the stripe policy in words).  Bad
+    flags are left to :func:`validate_args`, which names them."""
+    from ..setup_report import stripe_policy
+
+    try:
+        key = algo_of(args)
+        if ALGOS[algo_name(key)] is None:
+            return
+        args.striped_layout = layout_of(key)
+        args.striped_stripe_policy = stripe_policy(args.striped_layout)
+    except (ValueError, KeyError):
+        return
+
+
 def validate_args(args) -> None:
     """Check the settings that ``--context-parallel-algo`` needs; ``ValueError`` names the fix.
 
@@ -238,6 +255,7 @@ def validate_args(args) -> None:
         return
     flag = f"--context-parallel-algo {algo}"
     _check_striped_flags(args, key)
+    note_layout(args)  # the patched validate_args calls this before Megatron's argument dump
     _apply_timeout(args)
     _CALIBRATION["pending"] = bool(getattr(args, "striped_calibrate", False))
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)

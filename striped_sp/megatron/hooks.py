@@ -30,11 +30,14 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 import sys
 from typing import Callable
 
-from . import data, mla, refusals, rope
-from .arguments import check_algo, validate_args as _validate_striped_args
+import torch
+
+from . import data, mla, refusals, report, rope
+from .arguments import check_algo, note_layout, validate_args as _validate_striped_args
 from .spec import patch_layer_spec
 from .version import check_supported
 
@@ -42,7 +45,8 @@ __all__ = ["install", "uninstall", "installed_algo"]
 
 # module-level: the patches replace attributes of Megatron's modules for the whole process, so the
 # algo they follow and the originals to restore are process-wide too (install / uninstall)
-_STATE: dict = {"algo": None, "backend": "auto", "patches": []}
+_STATE: dict = {"algo": None, "backend": "auto", "patches": [], "announced": False}
+_LOG = logging.getLogger("striped_sp.megatron")
 
 #: top-level (non-``megatron.*``) modules of Megatron-LM that import these functions by name
 _SCRIPT_MODULES = ("pretrain_gpt", "pretrain_mamba", "gpt_builders", "model_provider", "__main__", "__mp_main__")
@@ -165,8 +169,23 @@ def _model_init_wrapper(init, spec_args=("transformer_layer_spec", "mtp_block_sp
         init(self, *args, **kwargs)
         if _STATE["algo"] is not None and check is not None:
             check(self)
+        if _STATE["algo"] is not None:
+            _announce(self)
 
     return wrapper
+
+
+def _announce(model) -> None:
+    """The setup line (:func:`.report.setup_line`), once per install, on global rank 0 (the
+    convention of megatron-core's ``log_single_rank``)."""
+    if _STATE["announced"]:
+        return
+    line = report.setup_line(model, _STATE["algo"])
+    if line is None:
+        return
+    _STATE["announced"] = True
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
+        _LOG.info(line)
 
 
 def _check_model(model) -> None:
@@ -189,6 +208,7 @@ def _layer_init_wrapper(init):
 def _validate_wrapper(fn):
     @functools.wraps(fn)
     def wrapper(args, *rest, **kwargs):
+        note_layout(args)  # before Megatron's argument dump, which fn prints
         out = fn(args, *rest, **kwargs)
         _validate_striped_args(args)
         return out
@@ -343,6 +363,7 @@ def install(algo: str = "striped", backend: str = "auto") -> None:
         return
     check_supported()
     _STATE["backend"] = backend
+    _STATE["announced"] = False  # the next model built says how it runs
     if _STATE["algo"] is None:
         _STATE["algo"] = algo
         try:

@@ -19,7 +19,7 @@ import runpy
 import sys
 from typing import Optional
 
-from .arguments import DEFAULT_ALGO, add_arguments, algo_of, chain_providers, validate_args
+from .arguments import DEFAULT_ALGO, add_arguments, algo_of, chain_providers, note_layout, validate_args
 from .hooks import install
 
 __all__ = ["find_megatron_lm", "hook_initialize", "hook_megatron_arguments", "main"]
@@ -58,6 +58,7 @@ def hook_initialize(module) -> None:
         return args
 
     def validate_args(args, *rest, **kwargs):
+        note_layout(args)  # before Megatron's argument dump, which validate prints
         out = validate(args, *rest, **kwargs)
         _check_and_install(args)
         return out

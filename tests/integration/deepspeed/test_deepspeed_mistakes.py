@@ -111,3 +111,44 @@ def test_the_example_lets_the_documented_errors_surface(monkeypatch, tmp_path, c
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=expected):
         example.main(example.parse_args(["--config", str(path)]))
+
+
+# ---------------------------------------------------------------- it says it is on
+
+
+def test_the_setup_line_names_layout_groups_kernel_stripes_and_cost_model(world_of_one):
+    from types import SimpleNamespace
+
+    from striped_sp.deepspeed.report import setup_line
+
+    settings = ssd.parse_config({"sequence_parallel_size": 2, "context_parallel": {"stripe_size": "auto",
+                                                                                   "ulysses_size": 2}})
+    line = setup_line(_llama(4, 2), settings, SimpleNamespace(group=world_of_one, dp_size=3),
+                      {"bf16": {"enabled": False}})
+    for part in ("striped_sp on (DeepSpeed, context_parallel.algo striped): layout striped:stripe=auto",
+                 "sequence_parallel_size 2 (ranks [0] of 1, 3 data-parallel replicas; Ulysses 2 x ring 1)",
+                 "kernel torch on cpu (backend auto", "stripe size auto: per packed batch",
+                 'not calibrated here ("calibrate": true measures it)'):
+        assert part in line, (part, line)
+
+
+def test_initialize_says_when_the_section_is_not_used(world_of_one, monkeypatch):
+    import deepspeed
+    from deepspeed import utils
+
+    said = []
+    monkeypatch.setattr(utils, "log_dist", lambda message, ranks=None: said.append((message, ranks)))
+
+    class Reached(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(deepspeed, "initialize", reached)
+    with pytest.raises(Reached):
+        ssd.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1,
+                                                            "sequence_parallel_size": 1,
+                                                            "context_parallel": {"algo": "striped"}})
+    assert said == [("striped_sp off: sequence_parallel_size 1, the context_parallel section is not used "
+                     "(every rank a data-parallel replica)", [0])]

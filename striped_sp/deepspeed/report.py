@@ -1,0 +1,60 @@
+"""The setup line of the DeepSpeed route (:func:`striped_sp.setup_report.setup_line`), logged once by
+:func:`~striped_sp.deepspeed.initialize` on global rank 0 with DeepSpeed's logger
+(``deepspeed.utils.log_dist``), and the line that says context parallelism is off where the JSON
+has the section at ``sequence_parallel_size: 1``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .config import SECTION, ContextParallelSettings
+
+__all__ = ["setup_line", "announce"]
+
+
+def _dtype(model, config: dict) -> torch.dtype:
+    """The dtype attention will run in: the JSON's bf16 / fp16, else the model's parameters'."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if (config.get(key) or {}).get("enabled") is True:
+            return dtype
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return torch.float32 if param is None else param.dtype
+
+
+def _head_dim(model):
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None)
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(head_dim, int) and isinstance(heads, int) and isinstance(getattr(text, "hidden_size", None), int):
+        head_dim = text.hidden_size // heads
+    return head_dim if isinstance(head_dim, int) else None
+
+
+def setup_line(model, settings: ContextParallelSettings, groups, config: dict) -> str:
+    """The line for ``model`` adapted with ``settings`` over ``groups`` (:class:`.SequenceParallelGroups`)."""
+    from ..setup_report import setup_line as line
+
+    sp, u = settings.sequence_parallel_size, settings.ulysses_size
+    ranks = dist.get_process_group_ranks(groups.group) if groups.group is not None else [dist.get_rank()]
+    split = f"; Ulysses {u} x ring {sp // u}" if u > 1 else ""
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None and param.device.type != "meta" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    return line(f"DeepSpeed, context_parallel.algo {settings.algo}", settings.layout,
+                f"sequence_parallel_size {sp} (ranks {ranks} of {dist.get_world_size()}, {groups.dp_size} "
+                f"data-parallel replicas{split})", settings.backend, device, _dtype(model, config),
+                _head_dim(model), '"calibrate": true measures it')
+
+
+def announce(model, settings: ContextParallelSettings, groups, config: dict) -> None:
+    """Log the setup line on global rank 0 (or, where the JSON has the section at
+    ``sequence_parallel_size: 1``, that context parallelism is off)."""
+    from deepspeed.utils import log_dist
+
+    if settings.enabled:
+        log_dist(setup_line(model, settings, groups, config), ranks=[0])
+    elif config.get(SECTION) is not None:
+        log_dist(f"striped_sp off: sequence_parallel_size {settings.sequence_parallel_size}, the {SECTION} "
+                 "section is not used (every rank a data-parallel replica)", ranks=[0])
