@@ -153,6 +153,10 @@ def _sim(args) -> int:
     from .bench.sim import SimConfig, simulate, work_speedup
     from .plan.layouts import get_layout
 
+    if args.predict:  # nothing runs: the GPU cost model prices the plans
+        from .bench.predict import run_cli
+
+        return run_cli(args)
     if args.global_every:  # before any work
         from .bench.mixed import check_global_every
 
@@ -309,7 +313,7 @@ def _run(args) -> int:
                     iters=args.iters, threads=args.threads, profile=args.profile, pin=not args.no_pin,
                     progress=not args.no_progress, force_peers=args.force_peers, docs=args.docs,
                     window=args.window, ulysses_sizes=tuple(u for u in args.ulysses_sizes if u > 1),
-                    global_every=tuple(args.global_every or ()))
+                    global_every=tuple(args.global_every or ()), memory=True if args.memory else None)
     load0 = _load()
     recs, notes, profile = run(cfg)
     import torch

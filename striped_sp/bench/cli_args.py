@@ -155,6 +155,9 @@ def add_sim(modes) -> None:
     s.add_argument("--every-block", action="store_true",
                    help="no effect, kept for old command lines: every (rank, step) is always run and timed "
                    "(the engine's executor)")
+    s.add_argument("--predict", default=None, metavar="ARCH", choices=["A100", "H100", "H800", "H200", "B200"],
+                   help="run nothing: price every rank's plan with the GPU cost model of --backend's kernel class "
+                        "on ARCH (a prediction), and hold it against ring-flash-attention's published figures")
     s.add_argument("--no-reference", action="store_true",
                    help="skip the single-device full causal run (efficiency left empty)")
     s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")
@@ -184,6 +187,9 @@ def add_run(modes) -> None:
     r.add_argument("--no-pin", action="store_true", help="CPU: do not pin each rank to its own core(s)")
     r.add_argument("--profile", action="store_true",
                    help="also time kernel, merge and ring waits inside our layouts, per rank")
+    r.add_argument("--memory", action="store_true",
+                   help="also the peak memory per rank (on CUDA always; on the CPU it runs torch.profiler, "
+                        "whose C++ side prints lines to stderr)")
     r.add_argument("--ulysses-sizes", type=_ints, default=[],
                    help="also run each layout as hierarchical CP with these ulysses_size values (e.g. 2)")
     r.add_argument("--force-peers", action="store_true",

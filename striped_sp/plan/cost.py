@@ -19,12 +19,13 @@ measured on one rank and handed to every rank:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
 
 __all__ = ["CostModel", "COST_MODELS", "default_model", "model_named", "model_for_kernel", "model_for", "calibrate",
-           "fitted_model", "use_model"]
+           "fitted_model", "use_model", "gpu_model", "gpu_arch", "cuda_kernel_class", "GPU_ARCHS", "DEFAULT_ARCH"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,12 @@ class CostModel:
     #: particular (a prediction); a model adopted with :func:`use_model` prices that kernel there only
     kernel: str = ""
     device_type: str = ""
+    #: the accumulator work of one query row per head of 64 in one ring step, forward (the merge of
+    #: (out, lse) into fp32; the backward's dq/dk/dv accumulation counts twice that): memory-bound on
+    #: a GPU, where it is a step's main cost beside the kernels (0: folded into ``step_ns``)
+    merge_ns_per_row: float = 0.0
+    #: the GPU architecture of a GPU model (``"H100"``, ...; :data:`GPU_ARCHS`), ``""``: none
+    arch: str = ""
 
     @property
     def label(self) -> str:
@@ -142,10 +149,126 @@ COST_MODELS = {
     "math_cpu": CostModel("math_cpu", 5.0, 0.0, float("inf"), 35_000.0, True, backward_factor=1.9,
                           transfer_ns_per_row=1000.0, step_ns=50_000.0, overlaps_transfer=False, kernel="math",
                           device_type="cpu"),
-    # a prediction, not a measurement: flash-attn 2/3 style tiles of 128 rows on a GPU; NVLink-class link
-    "flash_attn": CostModel("flash_attn", 0.01, 128.0, 64.0, 5_000.0, False, backward_factor=2.5,
-                            transfer_ns_per_row=1.0, step_ns=20_000.0),
 }
+
+#: GPU architectures of the predicted models (read only): the ring link one way in GB/s as a
+#: ring's point-to-point copies reach it (about 80% of NVLink's per-direction figure: A100 NVLink3
+#: 300, H100/H200 NVLink4 450, H800 200, B200 NVLink5 900) and HBM in TB/s (vendor sheets)
+GPU_ARCHS = {"A100": (240.0, 2.0), "H100": (360.0, 3.35), "H800": (160.0, 3.35), "H200": (360.0, 4.8),
+             "B200": (720.0, 8.0)}
+#: the architecture predictions are made for where no GPU says otherwise (dry runs on ``meta``)
+DEFAULT_ARCH = "H100"
+
+#: published kernel throughput, bf16, head_dim 128, 8k tokens, TFLOP/s (read only): (forward,
+#: causal forward, backward) per kernel class and architecture.  H100 (and H800 / H200, the same
+#: SMs and clocks): FlashAttention-3's paper (Shah et al. 2024, H100 SXM5 figures): FA2 370 / 333 /
+#: 318, cuDNN 600 / 529 / 518, FA3 646 / 602 / 559; FA4's SM90 path taken as FA3's.  A100: FA2
+#: from ring-flash-attention's single-GPU flash_attn run (8xA100: 373.4 fwd it/s, 94.7 fwd+bwd, 8k
+#: causal, 32 x 128: 205 causal TFLOP/s, backward 2.94x the forward).  B200: FlashAttention-4's
+#: reported forward (up to ~1.6 PFLOP/s, 1.1-1.3x cuDNN); the memory-efficient op, FA2 on B200
+#: and cuDNN on A100 are estimates (no published figure at this shape): guesses, labelled so.
+_PUBLISHED = {
+    ("fa2", "H100"): (370.0, 333.0, 318.0), ("cudnn", "H100"): (600.0, 529.0, 518.0),
+    ("fa3", "H100"): (646.0, 602.0, 559.0), ("fa4", "H100"): (646.0, 602.0, 559.0),
+    ("efficient", "H100"): (230.0, 200.0, 190.0),
+    ("fa2", "A100"): (228.0, 205.0, 194.0), ("cudnn", "A100"): (228.0, 205.0, 194.0),
+    ("efficient", "A100"): (150.0, 130.0, 120.0),
+    ("fa4", "B200"): (1500.0, 1400.0, 1150.0), ("cudnn", "B200"): (1300.0, 1200.0, 1000.0),
+    ("fa2", "B200"): (550.0, 495.0, 470.0), ("efficient", "B200"): (350.0, 310.0, 290.0),
+}
+#: the kernel class whose figures a class without its own takes (``torch_flash``: PyTorch's
+#: vendored FA2; FA3 only runs on Hopper; FA4 not on Ampere)
+_CLASS_FALLBACK = {"torch_flash": "fa2", "fa3": "fa2", "fa4": "fa2", "cudnn": "fa2", "efficient": "fa2"}
+#: one kernel launch and its tail, ns (spread over the 64 units of 32 heads of 128: the model's
+#: per-head-of-64 convention), and a ring step's fixed cost beside its kernels (the merge's
+#: launches, the transfer's posting and wait), ns per step
+_GPU_LAUNCH_NS, _GPU_STEP_NS = 5_000.0, 30_000.0
+#: bytes moved per query row and head of 64 by one step's forward merge (fp32 out read and written,
+#: the block's bf16 out and the lse read, in unfused elementwise ops: about 5 passes); the backward
+#: moves twice that (dq, dk and dv accumulated).  The one number fitted: to ring-flash-attention's
+#: 8xH800 fwd+bwd figures (docs/results.md, "GPU cost models against published figures")
+_MERGE_BYTES_PER_ROW = 3_200.0
+
+
+def _units_ns(tflops: float) -> float:
+    """ns per score entry and head of 64 (4 * 64 flops) at ``tflops`` TFLOP/s."""
+    return 4 * 64 / (tflops * 1e3)
+
+
+def gpu_model(kernel_class: str, arch: str = DEFAULT_ARCH) -> CostModel:
+    """The predicted :class:`CostModel` of ``kernel_class`` (a name in
+    :data:`striped_sp.kernels.AUTO_ORDER`: ``fa4``, ``fa3``, ``cudnn``, ``fa2``, ``torch_flash``,
+    ``efficient``) on GPU architecture ``arch`` (:data:`GPU_ARCHS`), named ``"<class>@<arch>"`` and
+    labelled a prediction: per entry the published forward throughput (:data:`_PUBLISHED`), the
+    causal forward's extra over half a square as ``causal_waste`` (at 8k rows), the backward over
+    the forward as ``backward_factor``, tile fill as ``small_rows``; a launch per call; the ring
+    link and the merge's memory traffic of the architecture.  A class without figures on ``arch``
+    takes FA2's there (``ValueError`` for an unknown class or architecture)."""
+    if arch not in GPU_ARCHS:
+        raise ValueError(f"unknown GPU architecture {arch!r}: expected one of {sorted(GPU_ARCHS)}")
+    if kernel_class not in _CLASS_FALLBACK and kernel_class != "fa2":
+        raise ValueError(f"no GPU model for kernel class {kernel_class!r}: expected one of "
+                         f"{sorted({'fa2', *_CLASS_FALLBACK})}")
+    return _gpu_model(kernel_class, arch)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_model(kernel_class: str, arch: str) -> CostModel:
+    figures_arch = "H100" if arch in ("H800", "H200") else arch  # the same SMs and clocks
+    figures = _PUBLISHED.get((kernel_class, figures_arch))
+    if figures is None:
+        figures = _PUBLISHED[(_CLASS_FALLBACK.get(kernel_class, "fa2"), figures_arch)]
+    fwd, causal_fwd, bwd = figures
+    link_gbps, hbm_tbps = GPU_ARCHS[arch]
+    tile = 128.0 if kernel_class in ("fa3", "fa4", "cudnn") else 64.0
+    return CostModel(f"{kernel_class}@{arch}", _units_ns(fwd), tile, (fwd / causal_fwd - 1) * 4096, _GPU_LAUNCH_NS / 64,
+                     False, backward_factor=2.5 * fwd / bwd, transfer_ns_per_row=2 * 64 * 2 / link_gbps,
+                     step_ns=_GPU_STEP_NS / 64, overlaps_transfer=True,
+                     merge_ns_per_row=_MERGE_BYTES_PER_ROW / (hbm_tbps * 1e3), arch=arch)
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_arch() -> str:
+    """The architecture of this process's CUDA device (:data:`GPU_ARCHS`: by its name, else by its
+    compute capability: 8.x A100, 9.x H100, 10.x B200), :data:`DEFAULT_ARCH` without one.  Cached:
+    a process keeps its device."""
+    if not torch.cuda.is_available():
+        return DEFAULT_ARCH
+    name = torch.cuda.get_device_name().upper()
+    for arch in ("H800", "H200", "H100", "B200", "A100"):
+        if arch in name:
+            return arch
+    major = torch.cuda.get_device_capability()[0]
+    return {8: "A100", 9: "H100", 10: "B200"}.get(major, DEFAULT_ARCH)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernel_class(kernel_name: str) -> str:
+    """The kernel class (:data:`striped_sp.kernels.AUTO_ORDER`) that runs ``kernel_name``'s packed /
+    windowed calls on this process's CUDA device in bf16 (``"auto"``: the kernel ``backend="auto"``
+    resolves there): what the plan decisions of that kernel price.  Without a device (dry runs on
+    ``meta``) the kernel's own answer for a CUDA device, else FA2's.  Cached: a process keeps its
+    device and packages."""
+    from ..kernels import KERNELS, resolve_kernel
+
+    cuda = torch.device("cuda")
+    try:
+        if kernel_name == "auto":
+            kernel = resolve_kernel("auto", cuda, torch.bfloat16, varlen=True)
+        else:
+            kernel = KERNELS[kernel_name]
+        cls = kernel.kernel_class(cuda, torch.bfloat16, None, True)
+    except (KeyError, ValueError, RuntimeError, AssertionError):
+        return "fa2"
+    return cls if cls in _CLASS_FALLBACK or cls == "fa2" else "fa2"
+
+
+#: every GPU model in the table too, by name (``"fa4@H100"``, ...); ``"flash_attn"``: the GPU
+#: prediction of old, now FA2's on the default architecture
+COST_MODELS.update({f"{cls}@{arch}": _gpu_model(cls, arch) for arch in GPU_ARCHS
+                    for cls in ("fa4", "fa3", "cudnn", "fa2", "efficient")})
+COST_MODELS["flash_attn"] = _gpu_model("fa2", DEFAULT_ARCH)
+
 
 #: which table model prices each kernel (``"auto"``: what ``backend="auto"`` runs) on each device
 #: type (read only); pairs not listed fall back by device type (:func:`model_for_kernel`)
@@ -153,10 +276,6 @@ _KERNEL_MODELS = {
     ("auto", "cpu"): "cpu",  # auto on the CPU: PyTorch's op for every float dtype
     ("torch", "cpu"): "cpu",
     ("math", "cpu"): "math_cpu",
-    ("auto", "cuda"): "flash_attn",  # flash-attn, else PyTorch's fused ops: tiles either way
-    ("flash_attn", "cuda"): "flash_attn",
-    ("torch", "cuda"): "flash_attn",  # PyTorch's CUDA flash / memory-efficient ops: tiles
-    ("torch_cudnn", "cuda"): "flash_attn",
 }
 
 
@@ -183,7 +302,7 @@ def model_for_kernel(kernel_name: str, device_type: str) -> CostModel:
         return COST_MODELS[key]
     if device_type == "cpu":
         return dataclasses.replace(COST_MODELS["cpu"], measured=False, kernel="", device_type="")
-    return COST_MODELS["flash_attn"]
+    return gpu_model(cuda_kernel_class(kernel_name), gpu_arch())
 
 
 #: the model every rank adopted with :func:`use_model` (a calibration, measured once and handed to
