@@ -9,9 +9,10 @@ parallelism places tokens as the algo does.  Everything else is refused here:
   that never passed through :func:`~striped_sp.megatron.patch_layer_spec`: T5, BERT, vision
   encoders, any other model class): :func:`check_layer_attention`, run after every
   ``TransformerLayer.__init__``, names the model being built;
-* Mamba layers, and gated delta net where megatron-core gives it context parallelism (from
-  0.18): their own context parallelism undoes Megatron's zigzag order only, so they run under an
-  algo with zigzag's placement and are refused under the others;
+* gated delta net where megatron-core gives it context parallelism (from 0.18): its own context
+  parallelism undoes Megatron's zigzag order only, so it runs under an algo with zigzag's
+  placement and is refused under the others.  Mamba layers are not refused: their undo / redo
+  steps follow every layout (:mod:`.mamba`);
 * gated delta net in megatron-core 0.16 / 0.17 and DeepSeek sparse attention before 0.19:
   megatron-core itself has no context parallelism for them (its ``TransformerConfig`` asserts
   ``context_parallel_size == 1``), so no algo runs them at CP > 1;
@@ -81,7 +82,7 @@ def check_model_layers(model, algo: str) -> None:
             if _cp_size(model) > 1:
                 raise ValueError(f"--context-parallel-algo {algo}: {model_name} has {_WHAT[name]} layers; "
                                  f"{_no_megatron_cp(name)}, so no --context-parallel-algo runs them at CP > 1")
-        elif name in ("MambaLayer", "GatedDeltaNet") and not native_placement:
+        elif name == "GatedDeltaNet" and not native_placement:
             raise ValueError(
                 f"--context-parallel-algo {algo}: {model_name} has {_WHAT[name]} layers, whose context "
                 "parallelism (megatron-core's own) assumes Megatron's zigzag layout: use "
