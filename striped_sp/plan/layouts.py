@@ -132,6 +132,11 @@ class Layout:
         ``doc_placement``) lists its runs out of global order."""
         raise NotImplementedError
 
+    def decision(self, seq_len: int, world_size: int, cu_seqlens=None) -> str | None:
+        """What this layout runs on a row and why, in one line, where it chooses per row (``None``: a
+        fixed layout); recorded in the row's plan (``RingPlan.decision``)."""
+        return None
+
     def run_order(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None):
         """int64 ``[seq_len // world_size]`` when the engine runs this rank's rows in another order
         than the caller holds them (run row ``p`` is the caller's row ``order[p]``), else ``None``
@@ -264,13 +269,22 @@ class Striped(Layout):
     whole on one rank, dealt by a balancing solver, and stripes the rest.  ``stripe_size="auto"``:
     on each packed row, the stripe size and placement the cost model predicts fastest
     (:mod:`striped_sp.plan.search`; ``doc_placement`` then defaults to ``"auto"`` too); a row of one
-    document runs token-by-token stripes."""
+    document runs token-by-token stripes.
+
+    The default (``Striped()``, ``layout="striped"``: neither parameter given) is ``"auto"``: the
+    search per packed batch, stripes of 1 on rows without documents (the dense plans, unchanged).
+    Any parameter given pins it: ``stripe_size=1`` (key ``"striped:stripe=1"``) is the paper's
+    layout on every row, and a ``doc_placement`` alone keeps stripes of 1 (``"striped:place=L"``)."""
 
     name = "striped"
 
-    def __init__(self, stripe_size: int | str = 1, doc_placement=None):
+    def __init__(self, stripe_size: int | str | None = None, doc_placement=None):
         from .placement import check_placement, check_stripe_size
 
+        #: neither parameter given: the default, the per-batch search (key "striped")
+        self.default = stripe_size is None and doc_placement is None
+        if stripe_size is None:  # a placement alone keeps token-by-token stripes (as before the default)
+            stripe_size = "auto" if doc_placement is None else 1
         self.stripe_size = check_stripe_size(stripe_size)
         if doc_placement is None:
             doc_placement = "auto" if self.stripe_size == "auto" else "split"
@@ -289,8 +303,10 @@ class Striped(Layout):
 
     @property
     def key(self) -> str:
+        if self.default:
+            return self.name
         params = []
-        if self.stripe_size != 1:
+        if self.stripe_size != 1 or not self.placed:  # stripes of 1 pinned: "stripe=1"; placed: "place=L" says it
             params.append(f"stripe={self.stripe_size}")
         if self.placed != self.auto or (self.placed and self.doc_placement != "auto"):
             params.append(f"place={self.doc_placement}")  # "auto" stripes place "auto" unless told
@@ -311,6 +327,16 @@ class Striped(Layout):
         from .search import placed_runs
 
         return placed_runs(_bounds(seq_len, cu_seqlens), world_size, self.stripe_size, self.doc_placement)[rank]
+
+    def decision(self, seq_len, world_size, cu_seqlens=None):
+        if cu_seqlens is None or len(cu_seqlens) <= 2:
+            if self.auto:
+                return ("a row of one document: stripes of 1, the dense plans (stripe_size='auto' searches "
+                        "packed rows; on one document zigzag measured faster on the CPU kernel, docs/tuning.md)")
+            return None
+        from .search import decision
+
+        return decision(_bounds(seq_len, cu_seqlens), world_size, self.stripe_size, self.doc_placement)
 
     def causal_plan(self, rank, source, world_size, local_len):
         if self.stripe_size not in (1, "auto"):
@@ -369,7 +395,7 @@ def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placeme
         if stripe_size is None and doc_placement is None:
             return layout
         base, params = layout, {}
-        if isinstance(layout, Striped):
+        if isinstance(layout, Striped) and not layout.default:
             params = {"stripe_size": layout.stripe_size, "doc_placement": layout.doc_placement}
     else:
         if not isinstance(layout, str):
@@ -384,10 +410,12 @@ def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placeme
     if given and not isinstance(base, Striped):
         raise ValueError(f"stripe_size / doc_placement ({given}) apply to layout 'striped' only, not {base.name!r}")
     params.update(given)
-    if not isinstance(base, Striped) or all(params.get(k, d) == d for k, d in (("stripe_size", 1),
-                                                                               ("doc_placement", "split"))):
+    if not isinstance(base, Striped) or (not params and base.default):
         return base if not isinstance(base, Striped) else LAYOUTS["striped"]
-    return Striped(**params)
+    if not params:
+        return base
+    lay = Striped(**params)
+    return LAYOUTS["striped"] if lay.key == LAYOUTS["striped"].key else lay
 
 
 def _check_rank(world_size: int, rank: int) -> None:

@@ -27,12 +27,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import logging
+
 from . import doc_stripes, placement
 from .cost import CostModel, default_model, model_named
 from .stripe_choice import MIN_STRIPE
 
-__all__ = ["MIN_GAIN", "MIN_WHOLE", "Prediction", "predict_ring", "search", "preference", "choose_whole_max",
-           "describe", "placed_runs", "placements_made"]
+__all__ = ["MIN_GAIN", "MIN_WHOLE", "Prediction", "predict_ring", "predict_zigzag", "search", "preference",
+           "choose_whole_max", "describe", "decision", "placed_runs", "placements_made"]
+
+_log = logging.getLogger("striped_sp.plan.search")
 
 #: a candidate must beat a simpler one by this share of its time to be chosen (the model is crude:
 #: at N=2 a 0.6% predicted gain once cut a document and measured 7-12% slower)
@@ -112,6 +116,23 @@ def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: Co
     return Prediction(stripe_size, whole_max, ns / 1e6, len(compute), tuple(c / 1e6 for c in compute), tuple(carried))
 
 
+def predict_zigzag(bounds, world_size: int, model: CostModel | str | None = None) -> Prediction:
+    """The model's forward+backward time per head of ``zigzag`` on the same packed row: every document
+    padded to a multiple of ``2N`` and cut into ``2N`` chunks, chunks ``r`` and ``2N-1-r`` on rank
+    ``r``, which is per-document stripes (``"doc"``) on the padded row, every row carried.  For the
+    log and the docs only: the striped default never switches layouts."""
+    model = model_named(model)
+    unit = 2 * world_size
+    lengths = [-(-n // unit) * unit for n in _lengths(tuple(bounds))]
+    padded = [0]
+    for n in lengths:
+        padded.append(padded[-1] + n)
+    compute, _ = _doc_steps(tuple(padded), world_size, 0, model)
+    carried = [padded[-1] // world_size] * (len(compute) - 1) + [0]
+    ns = model.ring_ns(compute, carried)
+    return Prediction("zigzag", 0, ns / 1e6, len(compute), tuple(c / 1e6 for c in compute), tuple(carried))
+
+
 def _whole_maxes(local: int, lengths: list[int]) -> list[int]:
     """0 and the powers of two from :data:`MIN_WHOLE` up to ``local`` (and ``local``), keeping one
     length per distinct set of documents it allows whole (the same set: the same plan)."""
@@ -165,15 +186,12 @@ def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_p
     else:
         families, sizes = [stripe_size], []
     tried = [p for stripe in families for w in maxes if (p := _try(bounds, world_size, stripe, w, model))]
-    if sizes:
-        ones = [p for p in tried if p.stripe_size == 1]
-        best_one = min(ones, key=lambda p: p.ms).whole_max if ones else 0
-        for s in sizes:
-            for w in sorted({maxes[0], best_one}):
-                if any(w < n < s * world_size for n in lengths):
-                    continue  # a striped document on fewer than N stripes (predict_ring's even_only)
-                if (p := _try(bounds, world_size, s, w, model, even_only=True)):
-                    tried.append(p)
+    for s in sizes:  # one joint search: every stripe size with every whole_max
+        for w in maxes:
+            if any(w < n < s * world_size for n in lengths):
+                continue  # a striped document on fewer than N stripes (predict_ring's even_only)
+            if (p := _try(bounds, world_size, s, w, model, even_only=True)):
+                tried.append(p)
     if not tried:
         raise ValueError(f"no striped plan fills {world_size} ranks of {local} tokens evenly for this row "
                          f"(stripe_size={stripe_size!r}, doc_placement={doc_placement!r})")
@@ -211,11 +229,50 @@ def placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: Co
     return _placed_runs(tuple(bounds), world_size, stripe, doc_placement, model_named(model))
 
 
+def _plan_words(stripe, whole_max: int) -> str:
+    kind = {"doc": "per-document stripes", 1: "stripes of 1"}.get(stripe, f"stripes of {stripe}")
+    return kind + (f", documents <= {whole_max} tokens whole" if whole_max else "")
+
+
+def decision(bounds, world_size: int, stripe="auto", doc_placement="auto",
+             model: CostModel | str | None = None) -> str:
+    """What a striped layout with these parameters runs on the packed row ``bounds``, and why, in one
+    line (for the log at DEBUG and :attr:`RingPlan.decision <striped_sp.plan.ring_plan.RingPlan>`): the
+    plan chosen with its predicted forward+backward time per head and ring steps, how many candidates
+    were ranked, the runner-up, and zigzag's predicted time where it is faster than every striped plan
+    (the layout named is never changed).  A fixed stripe size and placement: "pinned"."""
+    bounds = tuple(int(b) for b in bounds)
+    model = model_named(model)
+    if stripe != "auto" and doc_placement != "auto":
+        whole = 0 if doc_placement == "split" else doc_placement
+        return f"pinned: {_plan_words(stripe, whole)} (stripe_size={stripe!r}, doc_placement={doc_placement!r})"
+    chosen, tried = search(bounds, world_size, model, stripe, doc_placement)
+    others = sorted((p for p in tried if (p.stripe_size, p.whole_max) != (chosen.stripe_size, chosen.whole_max)),
+                    key=lambda p: p.ms)
+    line = (f"searched {len(tried)} striped plans for {len(bounds) - 1} documents on {world_size} ranks by the "
+            f"cost model {model.label!r}: {_plan_words(chosen.stripe_size, chosen.whole_max)} "
+            f"(stripe_size={chosen.stripe_size!r}, whole_max={chosen.whole_max}), predicted {chosen.ms:.2f} ms "
+            f"fwd+bwd per head, {chosen.steps} ring step{'s' if chosen.steps > 1 else ''}")
+    if others:
+        best = others[0]
+        line += (f"; next {_plan_words(best.stripe_size, best.whole_max)} {best.ms:.2f} ms "
+                 f"({best.ms / chosen.ms - 1:+.1%})")
+    zig = predict_zigzag(bounds, world_size, model)
+    fastest = min(p.ms for p in tried)
+    if zig.ms < fastest:
+        line += (f"; zigzag predicted faster than every striped plan ({zig.ms:.2f} ms, {zig.ms / fastest - 1:+.1%}):"
+                 " the layout named is kept (layout='zigzag' to use it)")
+    return line
+
+
 # a cache beside the plan cache: the run tables of all N ranks of one row (model resolved, in the
 # key), asked for by each rank's plan and by shard / unshard / positions; 64 rows' tables.  Its size
 # is also placements_made(), which calibrate_cost_model refuses after
 @functools.lru_cache(maxsize=64)
 def _placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel) -> list:
+    if _log.isEnabledFor(logging.DEBUG) and (stripe == "auto" or doc_placement == "auto"):
+        _log.debug("striped layout (stripe_size=%r, doc_placement=%r) on a packed row: %s", stripe, doc_placement,
+                   decision(bounds, world_size, stripe, doc_placement, model))
     stripe, whole_max = _resolve(bounds, world_size, stripe, doc_placement, model)
     if stripe == "doc":
         return doc_stripes.place(bounds, world_size, whole_max)[0]
