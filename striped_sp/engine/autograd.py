@@ -25,7 +25,7 @@ import torch
 
 from ..kernels import accumulator_dtype
 from ..plan.ring_plan import RingPlan
-from .run_order import from_run_format, rows_in, to_run_format
+from .run_order import dense_backward, from_run_format, rows_in, to_run_format
 from .step import Accumulator, backward_step, forward_step
 from .transport import Transport, drive
 
@@ -98,6 +98,8 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
     plans copy only a tensor whose head dim is not unit-strided (the kernels' precondition)."""
     kernel, scale, steps, shared = plan.kernel, plan.scale, plan.steps, plan.shared
     n, rank = plan.world_size, plan.rank
+    if plan.order is not None and not plan.masked:  # a ring of one in run order (engine/run_order.py)
+        return dense_backward(dout, q, k, v, out, lse, plan)
     dout, q, k, v, out = rows_in(plan.order, dout, q, k, v, out)  # the plan's run order (engine/run_order.py)
     lse, = rows_in(plan.order, lse, dim=2)
     if plan.masked:
