@@ -61,8 +61,9 @@ def test_every_kernel_has_the_model_of_its_own_kind():
     assert COST_MODELS["cpu"].call(1024, 1024, True) < COST_MODELS["cpu"].call(1024, 1024, False)
     for name in KERNELS:
         for device_type in ("cuda", "meta"):  # meta: dry runs of the CUDA path
-            model = model_for_kernel(name, device_type)
-            assert model is COST_MODELS["flash_attn"] and model.label == "flash_attn (a prediction)"
+            model = model_for_kernel(name, device_type)  # the GPU model of the class that runs it: predicted
+            assert model.label.endswith(f"@{cost.gpu_arch()} (a prediction)") and not model.measured, name
+    assert model_for_kernel("fa4", "meta") is COST_MODELS[f"fa4@{cost.gpu_arch()}"]
     unknown = model_for_kernel("someone_elses", "cpu")
     assert unknown.label == "cpu (a prediction)" and unknown.ns_per_entry == COST_MODELS["cpu"].ns_per_entry
     assert default_model() is model_for_kernel("auto", "cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +93,7 @@ def test_an_adopted_calibration_prices_the_plans_of_its_kernel():
     # not the model of another kernel, nor of another device type
     assert _compiled(host, "math").cost_model == "math_cpu"
     dense = build_host_plan(LAYOUT, None, True, 2, 0, 1024)
-    assert _compiled(dense, device="meta").cost_model == "flash_attn (a prediction)"
+    assert _compiled(dense, device="meta").cost_model == f"torch_flash@{cost.gpu_arch()} (a prediction)"
 
 
 @pytest.mark.parametrize("kernel, device_type", [("math", "cpu"), ("torch", "cuda"), ("torch", "meta")])
@@ -104,7 +105,7 @@ def test_a_calibration_of_another_kernel_or_device_leaves_the_table(kernel, devi
     assert plan.cost_model == "cpu" and plan.predicted_ms == _predicted_ms(host, COST_MODELS["cpu"])
     dense = build_host_plan(LAYOUT, None, True, 2, 0, 1024)
     if device_type != "meta":
-        assert _compiled(dense, device="meta").cost_model == "flash_attn (a prediction)"
+        assert _compiled(dense, device="meta").cost_model == f"torch_flash@{cost.gpu_arch()} (a prediction)"
     else:
         assert _compiled(dense, device="meta").cost_model == "torch@meta"
 
