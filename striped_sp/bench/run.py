@@ -4,11 +4,16 @@ Every rank builds random local q, k, v for its shard, then for each sequence len
 implementation (our layouts through :func:`striped_sp.ring_attention`, then the peers of
 :mod:`.peers`) in turn, round-robin, so that load from other processes on the machine hits all of
 them alike.  One iteration is: barrier, forward, backward of ``(out * dout).sum()``, device sync;
-its time is the slowest rank's (all-reduce max).  The first ``warmup`` iterations are dropped; the
-record is the median of the next ``iters``.  Each peer's output is checked once against
+its time is the slowest rank's (all-reduce max).  Before anything is timed, whatever ``warmup``
+says, each rank warms the process up (:func:`_warm_process`: one small fwd+bwd of every layout, so
+that thread pools, the first collectives and the kernels' first dispatch are not charged to the first
+layout timed).  The first ``warmup`` iterations are dropped; the record is the median of the next
+``iters``.  Each peer's output is checked once against
 ``ring_attention`` with the peer's layout on the same local inputs (``max_abs_err``).
 
-Memory (``memory=True``): the first iteration of every implementation (a warm-up one unless
+Memory (``memory=True``; ``None``, the default: on CUDA, whose allocator counts for free, and not on
+the CPU, where the count runs ``torch.profiler``, whose C++ side prints two lines to stderr per
+region: ``--memory`` asks for it): the first iteration of every implementation (a warm-up one unless
 ``warmup=0``) runs under :class:`.memory.MemoryPeak`; ``peak_mib`` is the local inputs (q, k, v,
 dout) plus the peak of what fwd+bwd allocates on a rank (the gradients included), the largest over
 the ranks.  ``reference=True`` adds the line ``sdpa_1proc``: one process (rank 0, the same threads
@@ -72,7 +77,7 @@ class RunConfig:
     docs: str | None = None  # packed documents (see bench.docs); zigzag pads each to a multiple of 2N
     window: int = 0  # sliding window (left); 0: none
     ulysses_sizes: tuple = ()  # hierarchical CP: also run each layout with these ulysses_size values
-    memory: bool = True  # peak memory per rank, measured on each implementation's first iteration
+    memory: bool | None = None  # peak memory per rank on each implementation's first iteration (None: CUDA only)
     reference: bool = True  # the sdpa_1proc line: one process, fused SDPA on the whole sequence
     global_every: tuple = ()  # with a window: also time each layout's global layer ("LAYOUT|global", .mixed)
 
@@ -87,6 +92,35 @@ def _fwd_bwd(fn, q, k, v, dout):
     out = fn(q, k, v)
     (out * dout).sum().backward()
     return out
+
+
+def _warm_process(cfg: RunConfig, group, device, dtype, memory: bool) -> None:
+    """One untimed fwd+bwd of every layout and peer on a small row (under the memory tracker where
+    memory is measured: the profiler's first start costs seconds on the CPU), so that process
+    start-up (thread pools, the first collectives, the kernels' first dispatch, a peer's first use of
+    its library, the profiler) is charged to no implementation.  The shapes differ from the timed ones, so each layout's first timed
+    iteration still builds its own plan, as ``warmup=0`` means."""
+    n, kvh = cfg.world_size, cfg.kv_heads or cfg.heads
+
+    def small(local):
+        q, k, v, dout = (torch.randn(1, local, h, cfg.head_dim).to(device, dtype)
+                         for h in (cfg.heads, kvh, kvh, cfg.heads))
+        return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+    for lay in cfg.layouts:
+        local = 2 * get_layout(lay).seq_multiple  # zigzag's two chunks; a stripe size's multiple
+        with MemoryPeak(device) if memory else contextlib.nullcontext():
+            _fwd_bwd(lambda a, b, c, lay=lay: ring_attention(a, b, c, group, layout=lay, backend=cfg.backend),
+                     *small(local))
+    for peer in () if cfg.docs or cfg.window else cfg.peers:
+        q, k, v, dout = small(2 * n)
+        try:  # a peer that cannot run is reported by the timed phase, not here
+            fn, _ = PEERS[peer](group, {"force_peers": cfg.force_peers}, q, k, v)
+            _fwd_bwd(fn, q, k, v, dout)
+        except Exception:  # noqa: BLE001
+            pass
+    sync(device)
+    dist.barrier()
 
 
 def _worker(rank, cfg: RunConfig, device_type, init_file, results):
@@ -107,6 +141,8 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
     if cfg.profile:
         install_profiler(clock)
     kernel = resolve_kernel(cfg.backend, device, dtype)
+    memory = cfg.memory if cfg.memory is not None else device.type == "cuda"
+    _warm_process(cfg, group, device, dtype, memory)
     records, notes, profile = [], {}, []
     tasks = [(s, i) for s in cfg.seq_lens for i in range(cfg.warmup + cfg.iters)]
     bar = progress(tasks, total=len(tasks), desc=f"run N={n_ranks}", enabled=cfg.progress and rank == 0)
@@ -165,7 +201,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
             for t in args[:3]:
                 t.grad = None  # freed outside the memory window
             out = None
-            tracker = MemoryPeak(device) if cfg.memory and it == 0 else contextlib.nullcontext()
+            tracker = MemoryPeak(device) if memory and it == 0 else contextlib.nullcontext()
             dist.barrier()
             clock.t, clock.phase = {}, "fwd"
             t0 = time.perf_counter()
@@ -187,7 +223,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 notes.setdefault((seq, name), "skipped: failed on another rank")
                 del impls[name]
                 continue
-            if it == 0 and cfg.memory:
+            if it == 0 and memory:
                 peaks[name] = _max_over_ranks(tensor_bytes(*args) + tracker.peak, device)
             if it == 0 and name in cfg.peers:
                 ref = ring_attention(q.detach(), k.detach(), v.detach(), group, layout=lay, backend=cfg.backend)
@@ -215,7 +251,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                                     "speedup_vs_contiguous": None, "docs": cfg.docs, "window": cfg.window,
                                     "padding_tokens": 0, "peak_mib": None})
             if cfg.reference:
-                ms, peak = _reference(cfg, seq, dtype, device, kvh, rank == 0)
+                ms, peak = _reference(cfg, seq, dtype, device, kvh, rank == 0, memory)
                 records.append({"impl": "sdpa_1proc", "world_size": 1, "seq_len": seq, "median_ms": ms,
                                 "speedup_vs_contiguous": base / (ms / 1e3) if base and ms else None,
                                 "docs": cfg.docs, "window": cfg.window, "padding_tokens": 0,
@@ -242,7 +278,7 @@ def _max_over_ranks(nbytes: int, device) -> int:
     return int(t.item())
 
 
-def _reference(cfg: RunConfig, seq: int, dtype, device, kv_heads: int, mine: bool):
+def _reference(cfg: RunConfig, seq: int, dtype, device, kv_heads: int, mine: bool, memory: bool):
     """``(ms, peak bytes)`` of one fwd+bwd of PyTorch's fused causal SDPA over all ``seq`` tokens in
     one process (rank 0; the others wait), inputs included; ``(None, None)`` when it fails."""
     ms = peak = None
@@ -258,12 +294,12 @@ def _reference(cfg: RunConfig, seq: int, dtype, device, kv_heads: int, mine: boo
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       is_causal=True, enable_gqa=k.size(2) != q.size(2)).transpose(1, 2)
 
-            with MemoryPeak(device) as mem:
+            with MemoryPeak(device) if memory else contextlib.nullcontext() as mem:
                 t0 = time.perf_counter()
                 _fwd_bwd(sdpa, q, k, v, dout)
                 sync(device)
                 ms = (time.perf_counter() - t0) * 1e3
-            peak = tensor_bytes(q, k, v, dout) + mem.peak
+            peak = tensor_bytes(q, k, v, dout) + mem.peak if memory else None
         except Exception:  # noqa: BLE001 - out of memory on one device, say: the line stays empty
             ms = peak = None
     dist.barrier()

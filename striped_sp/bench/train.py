@@ -17,7 +17,8 @@ Rows (:mod:`.train_data`): dense rows at each ``--seq-lens`` length, packed web-
 :func:`striped_sp.megatron.algo_of` of ``--striped-stripe-size auto``) and the ``--peers``.
 
 Every column of a row gets its own model from the same seed and its own optimizer, and the same
-batches: ``--warmup`` untimed steps (the first one measures the peak memory), then ``--rounds``
+batches: ``--warmup`` untimed steps (the first one measures the peak memory, with ``--memory`` on
+the CPU, where the count runs ``torch.profiler``, and always on CUDA), then ``--rounds``
 interleaved rounds (each round steps every column once, the starting column rotating, so load from
 other processes hits all alike).  A step's time is the slowest rank's; the record is the median.
 Every column trains on the same data from the same weights, so the losses of a round must agree
@@ -82,6 +83,7 @@ class TrainConfig:
     threads: int | None = None  # CPU threads per rank; default cores // N
     pin: bool = True
     profile: bool = False  # one more step per column under torch.profiler (ms by kind of op)
+    memory: bool | None = None  # peak memory on the first step (None: CUDA only; the CPU count runs torch.profiler)
     progress: bool = True
     timeout_s: float = 1800.0
 
@@ -147,6 +149,7 @@ def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
     warnings.filterwarnings("ignore")
     device = _init(rank, cfg, device_type, init_file)
     dtype = pick_dtype(cfg.dtype, device)
+    memory = cfg.memory if cfg.memory is not None else device.type == "cuda"
     group = dist.group.WORLD
     ready = set()
     records, notes, profile = [], {}, []
@@ -182,7 +185,7 @@ def _worker_body(rank, cfg: TrainConfig, device_type, init_file, results):
             for name in order[shift:] + order[:shift]:
                 r = runners[name]
                 r.activate()
-                measure = i == 0
+                measure = i == 0 and memory
                 tracker = MemoryPeak(device) if measure else None
                 dist.barrier()
                 sync(device)
@@ -357,8 +360,7 @@ def register(modes) -> None:
                          "on N spawned ranks (gloo on CPU, NCCL on CUDA): interleaved rounds, median step time, tokens/s,\n"
                          "speedup over contiguous (Ring Attention: the paper's table), peak memory per rank, and the\n"
                          "losses of every layout compared (same weights, same data).\n\n"
-                         "Presets (--preset): cpu (2 gloo ranks, fp32) and paper (the paper's lengths, a ~1B model,\n"
-                         "N GPUs); explicit options override them.")
+                         + _presets_help())
     p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
                    help="model and row defaults (auto: paper on CUDA, cpu otherwise)")
     p.add_argument("--models", type=names(tuple(PEERS)), default=["megatron", "hf"], help="megatron, hf")
@@ -376,20 +378,44 @@ def register(modes) -> None:
     for name, help_text in (("layers", "transformer layers"), ("hidden", "model width"),
                             ("ffn-hidden", "MLP width"), ("heads", "query heads"), ("kv-heads", "key/value heads"),
                             ("head-dim", "head dimension"), ("vocab", "vocabulary"), ("rounds", "timed rounds")):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} (default: the preset's)")
+        key = name.replace("-", "_")
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"{help_text} (default: the preset's, cpu {PRESETS['cpu'][key]}, "
+                            f"paper {PRESETS['paper'][key]})")
     p.add_argument("--batch", type=int, default=1, help="dense rows per step")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (the first measures memory)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (the first measures memory, see --memory)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16; auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when there are N GPUs)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default cores // N)")
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="weights and data")
     p.add_argument("--init-std", type=float, default=TrainConfig.init_std, help="weight init std")
     p.add_argument("--profile", action="store_true", help="one more step per column under torch.profiler")
+    p.add_argument("--memory", action="store_true",
+                   help="peak memory per rank on the first step (on CUDA always; on the CPU it runs torch.profiler, "
+                        "whose C++ side prints lines and a warning to stderr)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="PNG: dense rows' speedup over contiguous against length "
                    "(needs matplotlib, the bench extra: checked before the work starts)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=_main)
+
+
+def _presets_help() -> str:
+    """The presets' values and the expected run time, for ``bench train --help``."""
+    lines = ["", "", "Presets (--preset; explicit options override them):"]
+    for name, where in (("cpu", "2 gloo ranks, fp32"), ("paper", "the paper's lengths, a ~1B model, N GPUs, bf16")):
+        p = PRESETS[name]
+        lines.append(f"  {name} ({where}): {p['layers']} layers, width {p['hidden']}, MLP {p['ffn_hidden']}, "
+                     f"{p['heads']} heads / {p['kv_heads']} kv heads x {p['head_dim']}, vocab {p['vocab']};")
+        lines.append(f"    dense rows {', '.join(map(str, p['seq_lens']))}, packed {', '.join(map(str, p['packed_lens']))}, "
+                     f"window {', '.join(map(str, p['window_lens']))} tokens (window {p['window']}); "
+                     f"{p['rounds']} rounds")
+    lines += ["", "Run time: each row runs (--warmup + --rounds) steps of every column. With the cpu preset,",
+              "both models and every row: about 15-20 minutes on a 2-core CPU (estimated from the step",
+              "times in docs/results.md: 1.3 / 3.9 / 13.6 s per step at 4k / 8k / 16k dense tokens,",
+              "3.5 s packed, 4.0 s window, megatron); --models megatron --rows dense --seq-lens 4096:",
+              "about a minute (52 s measured). The paper preset has not been timed here (no GPUs)."]
+    return "\n".join(lines)
 
 
 def _columns(text: str) -> list[str]:
@@ -420,7 +446,8 @@ def config_of(args) -> TrainConfig:
                        head_dim=pick("head_dim"), vocab=pick("vocab"), batch=args.batch, dtype=args.dtype,
                        device=args.device, warmup=args.warmup, rounds=pick("rounds"), seed=args.seed,
                        init_std=args.init_std,
-                       threads=args.threads, profile=args.profile, progress=not args.no_progress)
+                       threads=args.threads, profile=args.profile, progress=not args.no_progress,
+                       memory=True if args.memory else None)
 
 
 def _main(args) -> int:

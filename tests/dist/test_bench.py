@@ -128,7 +128,7 @@ def test_run_smoke(tmp_path, capsys, monkeypatch):
     assert main(["bench", "run", "--world-size", "2", "--seq-lens", "12", "--heads", "2",
                  "--head-dim", "8", "--warmup", "0", "--iters", "1", "--peers", "torch_ring,ulysses",
                  "--device", "cpu", "--threads", "1", "--profile", "--no-progress", "--ulysses-sizes", "2",
-                 "--json", str(path)]) == 0
+                 "--memory", "--json", str(path)]) == 0
     recs = json.loads(path.read_text())
     assert {r["impl"] for r in recs} == {"striped", "zigzag", "contiguous", "torch_ring", "ulysses",
                                          "striped+u2", "zigzag+u2", "contiguous+u2", "sdpa_1proc"}

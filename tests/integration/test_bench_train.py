@@ -26,7 +26,7 @@ VOCAB, ROUNDS = 96, 2
 ARGS = ["bench", "train", "--seq-lens", "192", "--packed-lens", "256", "--window-lens", "192", "--window", "24",
         "--docs", "lognormal:median=40,sigma=1.0", "--layers", "2", "--hidden", "32", "--ffn-hidden", "64",
         "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--vocab", str(VOCAB), "--rounds", str(ROUNDS),
-        "--init-std", "0.5", "--no-progress", "--seed", "7"]
+        "--init-std", "0.5", "--no-progress", "--seed", "7", "--memory"]
 COLUMNS = ["striped", "striped:auto", "zigzag", "contiguous"]
 
 
