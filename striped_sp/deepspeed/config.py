@@ -54,17 +54,19 @@ class ContextParallelSettings:
     #: calibrate the kernel's cost model for ``auto`` choices on global rank 0 when the model
     #: is adapted, and adopt it on every rank (:func:`striped_sp.calibrate_cost_model`)
     calibrate: bool = False
-    #: striped only: tokens dealt to ranks in stripes of this many (1: token by token)
-    stripe_size: int | str = 1
+    #: striped only: tokens dealt to ranks in stripes of this many (1: token by token); ``None`` (not
+    #: given): the layout's default (striped: the per-batch search, :class:`~striped_sp.plan.layouts.Striped`)
+    stripe_size: int | str | None = None
     #: striped only, packed rows: ``"split"`` (every document striped), ``"auto"`` or an int (documents
-    #: of at most that many tokens kept whole on one rank, dealt by a balancing solver)
-    doc_placement: str | int = "split"
+    #: of at most that many tokens kept whole on one rank, dealt by a balancing solver); ``None``: the default
+    doc_placement: str | int | None = None
 
     @property
     def layout(self) -> str:
-        """The core layout key: ``"striped"``, ``"zigzag"``, ``"contiguous"``, or with the striped
-        parameters e.g. ``"striped:stripe=4,place=auto"``."""
-        if self.stripe_size == 1 and self.doc_placement == "split":
+        """The core layout key: ``"striped"`` (the default: per packed batch the plan the cost model
+        predicts fastest), ``"zigzag"``, ``"contiguous"``, or with the striped parameters given e.g.
+        ``"striped:stripe=4,place=auto"``, ``"striped:stripe=1"`` (pinned)."""
+        if ALGOS[self.algo] != "striped" or (self.stripe_size is None and self.doc_placement is None):
             return ALGOS[self.algo]
         return get_layout(ALGOS[self.algo], self.stripe_size, self.doc_placement).key
 
@@ -212,10 +214,10 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
     except ValueError as err:
         raise ValueError(f"{SECTION}.ulysses_size={u} with sequence_parallel_size={sp}: {err} "
                          "(Ulysses groups of ulysses_size ranks, a ring across them)") from None
-    stripe = _striped_value(section, "stripe_size", 1, check_stripe_size,
+    stripe = _striped_value(section, "stripe_size", None, check_stripe_size,
                             "a positive integer, 'doc' (per document: 2N stripes dealt to ranks 0..N-1, then back) "
                             "or 'auto' (per batch, the plan the cost model predicts fastest)")
-    placement = _doc_placement(section, "auto" if stripe == "auto" else "split")
+    placement = _doc_placement(section, None)
     _check_striped_keys(model.algo, stripe, placement)
     return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
                                    ulysses_size=u, timeout_s=model.timeout_s, calibrate=model.calibrate, stripe_size=stripe,
@@ -225,15 +227,17 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
 def _striped_value(section: Mapping, key: str, default, check, rule: str):
     """A striped layout parameter of the section (JSON numbers, not strings, for integers)."""
     value = section.get(key, default)
+    if value is None and key not in section:
+        return None  # not given: the layout's default (get_layout)
     try:
         return check(value)
     except ValueError:
         raise ValueError(f"{SECTION}.{key}={value!r} must be {rule}") from None
 
 
-def _doc_placement(section: Mapping, default: str = "split"):
+def _doc_placement(section: Mapping, default=None):
     """``doc_placement``: ``"split"``, ``"auto"`` or an int >= 1 (a JSON number, not a string);
-    ``default`` when absent (``"auto"`` under ``stripe_size="auto"``)."""
+    ``default`` when absent (``None``: the layout's, see :func:`~striped_sp.plan.layouts.get_layout`)."""
     return _striped_value(section, "doc_placement", default, check_placement,
                           "'split', 'auto' or a positive integer (the longest document kept whole on one rank)")
 
@@ -241,9 +245,8 @@ def _doc_placement(section: Mapping, default: str = "split"):
 def _check_striped_keys(algo: str, stripe_size: int, placement) -> None:
     """``stripe_size`` / ``doc_placement`` are parameters of the striped layout: refused with another algo
     (the plan's rule, :func:`striped_sp.plan.layouts.get_layout`)."""
-    for key, value, default in (("stripe_size", stripe_size, 1),
-                                ("doc_placement", placement, "auto" if stripe_size == "auto" else "split")):
-        if value == default:
+    for key, value, neutral in (("stripe_size", stripe_size, 1), ("doc_placement", placement, "split")):
+        if value is None or (value == neutral and ALGOS[algo] != "striped"):  # not given, or what any layout does
             continue
         try:
             get_layout(ALGOS[algo], **{key: value})

@@ -82,8 +82,11 @@ def algo_of(args) -> str:
         except ValueError as err:
             raise ValueError(f"{flag} {value} applies to --context-parallel-algo striped only, not {algo} "
                              f"({err}): drop it or use --context-parallel-algo striped") from None
-    if ":" not in algo and stripe == 1 and place == "split":
-        return algo
+    documents = bool(getattr(args, "sft", False) or getattr(args, "reset_attention_mask", False))
+    if ":" not in algo and stripe == 1 and place == "split" and not (layout == "striped" and documents):
+        return algo  # "striped" without documents: the core default, stripes of 1 on such rows
+    if layout == "striped" and stripe == 1 and place == "split":
+        return get_layout(layout, 1).key  # pinned: "striped" alone would search packed rows (issue 36)
     return get_layout(algo, stripe if stripe != 1 else None, place if place != "split" else None).key
 
 
@@ -128,11 +131,11 @@ def add_arguments(parser):
     add(
         "--striped-stripe-size",
         type=stripe_arg,
-        default=1,
+        default=None,
         help="--context-parallel-algo striped: deal tokens to the CP ranks in stripes of this many "
         "(1: token by token, the paper's layout; larger stripes mean fewer, larger kernel calls on "
         "packed rows and windows), 'doc': per document 2*CP stripes, dealt to ranks 0..CP-1 then "
-        "back (large dense blocks, no padding), or 'auto': chosen from --sft, --window-size and "
+        "back (large dense blocks, no padding), or 'auto' (the default): chosen from --sft, --window-size and "
         "--window-attn-skip-freq (docs/tuning.md). With an integer and no document placement "
         "--seq-length must be a multiple of CP * stripe size.",
     )
@@ -382,8 +385,8 @@ def _check_striped_flags(args, key: str) -> None:
         raise ValueError("--striped-stripe-size doc follows the documents of packed THD rows (--sft) or "
                          "whole rows: with --reset-attention-mask Megatron's RoPE takes one table for every "
                          "row of a [b, s] batch; use --sft packed rows or an integer stripe size")
-    if not getattr(lay, "placed", False):
-        return
+    if not getattr(lay, "placed", False) or getattr(lay, "default", False):
+        return  # the default "striped": only where rows hold no documents (algo_of)
     place = f"--striped-doc-placement {lay.doc_placement}"
     if getattr(args, "reset_attention_mask", False):
         raise ValueError(

@@ -21,9 +21,13 @@ def stripe_arg(text: str) -> int | str:
 
 
 def stripe_size_of(args) -> int | str:
-    """The stripe size of ``args.striped_stripe_size`` (``auto`` resolved for this model)."""
-    value = getattr(args, "striped_stripe_size", 1)
-    value = 1 if value is None else value
+    """The stripe size of ``args.striped_stripe_size`` (``auto`` resolved for this model); not given
+    (``None``): ``auto`` under ``--context-parallel-algo striped`` without ``--striped-doc-placement``
+    (the default, as the core's ``layout="striped"``), else 1 (a placement alone keeps stripes of 1)."""
+    value = getattr(args, "striped_stripe_size", None)
+    if value is None:
+        striped = str(getattr(args, "context_parallel_algo", "")).partition(":")[0] == "striped"
+        value = "auto" if striped and getattr(args, "striped_doc_placement", None) in (None, "split") else 1
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if value == "auto":

@@ -81,7 +81,10 @@ def test_config_striped_parameters_make_one_layout_key():
     s = parse_config({"sequence_parallel_size": 2, "context_parallel": cp}, world_size=2)
     assert (s.stripe_size, s.doc_placement, s.layout) == (4, "auto", "striped:stripe=4,place=auto")
     assert parse_config({"context_parallel": {"doc_placement": 64}}).layout == "striped:place=64"
-    assert parse_config({"context_parallel": {"stripe_size": 1, "doc_placement": "split"}}).layout == "striped"
+    # a stripe size given pins it; none given: the default, the per-batch search (issue 36)
+    assert parse_config({"context_parallel": {"stripe_size": 1, "doc_placement": "split"}}).layout == "striped:stripe=1"
+    assert parse_config({"context_parallel": {"stripe_size": 1}}).layout == "striped:stripe=1"
+    assert parse_config({"context_parallel": {"algo": "striped"}}).layout == "striped"
     assert parse_config({"context_parallel": {"algo": "zigzag", "stripe_size": 1}}).layout == "zigzag"
     assert parse_config({"context_parallel": {"stripe_size": "doc", "doc_placement": 8}}).layout \
         == "striped:stripe=doc,place=8"
