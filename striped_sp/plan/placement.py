@@ -190,6 +190,20 @@ def _piece(length: int, world_size: int, stripe: int) -> float:
     return length / world_size if stripe == 1 else min(stripe, length)
 
 
+def _striped_doc_ns(model: CostModel, length: int, world_size: int, stripe: int) -> float:
+    """Forward time per head of one ring step's block of a document of ``length`` tokens striped over
+    ``world_size`` ranks in stripes of ``stripe``: stripes of 1 one causal call over the rank's
+    ``length / N`` rows; larger stripes ``k = length / (N * stripe)`` per rank meet as ``k`` causal
+    ``stripe x stripe`` squares on the diagonal and ``k (k - 1) / 2`` dense ones below it, which the
+    kernels run as one prefix call per query stripe (no diagonal waste)."""
+    rows = length / world_size
+    k = rows / stripe
+    if stripe == 1 or k <= 1:
+        return model.call(rows, rows, True)
+    dense = model.ns_per_entry * (k * (k - 1) / 2 * stripe * stripe) * (1 + model.small_rows / stripe)
+    return k * model.call(stripe, stripe, True) + dense + (k - 1) * model.call_ns
+
+
 def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str | None = None) -> dict:
     """The model's view of a placement: ``balance`` (critical path over ideal in score entries:
     the slowest rank's whole documents plus an even share of the striped ones, over an even share
@@ -208,10 +222,7 @@ def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostMod
     # single ranks: counted in full, as if they all fell on the slowest rank
     balance = (max(entries) + _cross_entries(pieces) + striped_share) / ideal
     whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
-    per_step = 0.0
-    for d in striped:
-        m = _piece(lengths[d], world_size, stripe)
-        per_step += model.call(m, m, True) * (lengths[d] / world_size / m) ** 2
+    per_step = sum(_striped_doc_ns(model, lengths[d], world_size, stripe) for d in striped)
     return {"balance": balance, "ms": (max(whole_ns) + world_size * per_step) / 1e6}
 
 

@@ -76,10 +76,7 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
         # a document on fewer ranks than N falls unevenly: outside what the model describes
         raise ValueError(f"stripe_size={stripe}: a striped document is shorter than {stripe * world_size} tokens")
     whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
-    per_step = 0.0
-    for d in striped:
-        m = placement._piece(lengths[d], world_size, stripe)
-        per_step += model.call(m, m, True) * (lengths[d] / world_size / m) ** 2
+    per_step = sum(placement._striped_doc_ns(model, lengths[d], world_size, stripe) for d in striped)
     cross = placement._cross_entries(pieces)  # cut documents: their cross-rank blocks, dense
     private = [sum(c for d, c in rows if c == lengths[d]) for rows in pieces]
     ring = bool(striped) or any(c != lengths[d] for rows in pieces for d, c in rows)  # striped or cut
