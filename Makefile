@@ -1,15 +1,39 @@
 # Two entry points for a fresh clone: `make demo` (the main job) and `make test` (the tests).
-# Each creates .venv with Python 3.11 and installs what it needs; torch is pinned to 2.13.0,
-# the CPU build (a plain `torch` would pull a multi-GB CUDA build).
+# Each creates .venv with Python 3.11 and installs what it needs; torch is pinned to 2.13.0.
+# On Linux without CUDA (no working nvidia-smi) torch comes from PyTorch's CPU wheel index
+# (TORCH_CPU_INDEX; a plain `torch` from the package registry is the multi-GB CUDA build there),
+# with the package registry as the fallback when that index cannot be reached; with CUDA, and on
+# macOS / Windows (whose registry wheels are the CPU ones), from the package registry.
 PYTHON ?= python3.11
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH := torch==2.13.0
+TORCH ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS ?= test
+TORCH_NAME := $(firstword $(subst ==, ,$(TORCH)))
+CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+# $(call install_torch,PYTHON): torch's CPU build where CPU_TORCH (PyTorch's index first, if it
+# answers within 10 s; the registry as the fallback), else the registry's
+define install_torch
+	@if [ -n "$(CPU_TORCH)" ] && $(1) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/$(TORCH_NAME)/', timeout=10)" "$(TORCH_CPU_INDEX)" 2>/dev/null; then \
+	  echo "$(1) -m pip install $(TORCH) --index-url $(TORCH_CPU_INDEX)  (torch's CPU build)"; \
+	  $(1) -m pip install --quiet --index-url $(TORCH_CPU_INDEX) "$(TORCH)" \
+	  || { echo "PyTorch's CPU index $(TORCH_CPU_INDEX) failed: $(TORCH) from the package registry instead"; \
+	       $(1) -m pip install --quiet "$(TORCH)"; }; \
+	elif [ -n "$(CPU_TORCH)" ]; then \
+	  echo "PyTorch's CPU index $(TORCH_CPU_INDEX) does not answer: $(TORCH) from the package registry (its Linux build is the CUDA one, which runs on the CPU, unless a local wheel provides the CPU build)"; \
+	  $(1) -m pip install --quiet "$(TORCH)"; \
+	else \
+	  echo "$(1) -m pip install $(TORCH)  (the package registry's build)"; \
+	  $(1) -m pip install --quiet "$(TORCH)"; \
+	fi
+endef
 
 # `make test-megatron MCORE=0.19.2`: the Megatron tests against another megatron-core release, in
 # its own environment (.venv-mcore-<version>). megatron-core 0.17 and later need Python 3.12
-# (PY312); there torch 2.13.0 comes from the registry as its CUDA build, which runs on CPU (~4.8 GB).
+# (PY312); torch as above (PyTorch's CPU index has no Python 3.12 build of 2.13.0 on some machines:
+# then the registry's CUDA build, which runs on CPU, ~4.8 GB).
 MCORE ?= 0.19.2
 PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do $$p -c '' >/dev/null 2>&1 && { echo $$p; break; }; done)
 MVENV := .venv-mcore-$(MCORE)
@@ -19,18 +43,23 @@ else
 MPYTHON := $(PY312)
 endif
 
-.PHONY: demo test test-megatron results venv clean
+.PHONY: demo test test-megatron results venv torch clean
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" $(TORCH)
+	$(call install_torch,$(PY))
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" "$(TORCH)"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 venv: $(VENV)/.installed-$(EXTRAS)
+
+# `make torch`: only the torch step, into $(VENV) (made if absent)
+torch:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(call install_torch,$(PY))
 
 demo: venv
 	$(PY) -m striped_sp.demo --world-size 2
@@ -48,8 +77,8 @@ $(MVENV)/.installed: setup.cfg pyproject.toml
 	@test -n "$(MPYTHON)" || { echo "megatron-core $(MCORE) needs Python 3.12: set PY312=/path/to/python3.12"; exit 1; }
 	test -x $(MVENV)/bin/python || $(MPYTHON) -m venv $(MVENV)
 	$(MVENV)/bin/python -m pip install --quiet --upgrade pip
-	$(MVENV)/bin/python -m pip install --quiet $(TORCH)
-	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" einops $(TORCH)
+	$(call install_torch,$(MVENV)/bin/python)
+	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" einops "$(TORCH)"
 	touch $@
 
 test-megatron: $(MVENV)/.installed

@@ -22,7 +22,7 @@ from typing import Optional
 from .arguments import DEFAULT_ALGO, add_arguments, algo_of, chain_providers, note_layout, validate_args
 from .hooks import install
 
-__all__ = ["find_megatron_lm", "hook_initialize", "hook_megatron_arguments", "main"]
+__all__ = ["find_megatron_lm", "hook_initialize", "hook_megatron_arguments", "print_help", "main"]
 
 
 def find_megatron_lm(path: Optional[str] = None) -> str:
@@ -87,6 +87,40 @@ def _check_and_install(args) -> None:
         install(algo)
 
 
+def print_help(path: Optional[str] = None) -> None:
+    """``--help``: this entry's usage and the plugin's flags, from the plugin's own parser (nothing of
+    Megatron imported: its training modules need GPU-only packages such as triton), then Megatron-LM's
+    own flags where its checkout imports here."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m striped_sp.megatron.pretrain_gpt", add_help=False,
+        usage="%(prog)s [--megatron-lm-dir DIR] <pretrain_gpt.py arguments> --context-parallel-algo ALGO",
+        description=__doc__.split("\n\n")[0] + " The plugin's flags (Megatron-LM's own follow, where its "
+                    "checkout and dependencies are at hand):")
+    add_arguments(parser)
+    parser.print_help()
+    sys.stdout.flush()
+    try:
+        root = find_megatron_lm(path)
+    except ValueError as exc:
+        print(f"\nMegatron-LM's own flags: not shown ({exc})")
+        return
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    print(f"\nMegatron-LM's own flags ({root}):", flush=True)
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # its imports warn about every optional GPU package
+            warnings.simplefilter("ignore")
+            hook_megatron_arguments()
+            sys.argv = [os.path.join(root, "pretrain_gpt.py"), "--help"]
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except ImportError as exc:  # e.g. triton on a machine without a GPU
+        print(f"  not shown: its modules do not import here ({type(exc).__name__}: {exc})")
+
+
 def main(argv: Optional[list] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     path = None
@@ -94,6 +128,9 @@ def main(argv: Optional[list] = None) -> None:
         if len(argv) < 2:
             raise SystemExit("--megatron-lm-dir needs a directory")
         path, argv = argv[1], argv[2:]
+    if "-h" in argv or "--help" in argv:
+        print_help(path)
+        return
     try:
         root = find_megatron_lm(path)
     except ValueError as exc:
