@@ -141,7 +141,9 @@ def get_thd_batch_on_this_cp_rank(
     document boundaries, ``cu_seqlens_padded`` where each document sits in the buffer (``None``:
     no padding), ``max_seqlen`` the longest document (an int or a tensor).  Every ``[1, t]``
     tensor is sliced on dim 1 in ``algo``'s layout (``zigzag``: per document, as Transformer
-    Engine does; a striped layout key with ``place=``: by the documents, each padded one whole).  Returns ``(batch, packed_seq_params)``; the params carry the ring's bounds.
+    Engine does; a striped layout key with ``place=``: by the documents, each padded one whole).  Returns ``(batch, packed_seq_params)``; the params carry the ring's bounds
+    and, from megatron-core 0.19, the row's ``total_tokens`` (from which megatron-core builds the
+    document index ``seq_idx`` of its Mamba layers, as in its own packed Mamba training).
     """
     check_algo(algo)
     if algo == "native":
@@ -159,13 +161,16 @@ def get_thd_batch_on_this_cp_rank(
     elif max_seqlen is None and isinstance(pad if pad is not None else cu, torch.Tensor):
         edges = pad if pad is not None else cu
         max_seqlen = int((edges[1:] - edges[:-1]).max())
+    seq_len = packed.batch_seq_len(batch)
+    # megatron-core >= 0.19 builds Mamba's document index (seq_idx) from the row's total_tokens
+    fields = getattr(PackedSeqParams, "__dataclass_fields__", ())
+    mamba = {"total_tokens": seq_len} if "total_tokens" in fields else {}
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=pad,
-        cu_seqlens_kv_padded=pad, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+        cu_seqlens_kv_padded=pad, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, **mamba,
     )
     if cp_group is not None and hasattr(params, "cp_group"):
         params.cp_group = cp_group
-    seq_len = packed.batch_seq_len(batch)
     lay = get_layout(layout)
     lay.check_seq_len(seq_len, cp_size)
     bounds = packed.documents_of(params, seq_len, layout)
