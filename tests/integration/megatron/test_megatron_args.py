@@ -276,18 +276,24 @@ def test_batch_slicing_refuses_documents_a_layout_places(monkeypatch, algo, word
 
 @pytest.mark.parametrize("algo, refused", [("striped", True), ("ring", True), ("striped:stripe=4", True),
                                            ("zigzag", False)])
-def test_hybrid_mamba_layers_need_megatrons_own_placement(monkeypatch, algo, refused):
-    """Mamba's context parallelism assumes Megatron's token placement: the check compares layout keys."""
+def test_hybrid_layers_need_megatrons_own_placement(monkeypatch, algo, refused):
+    """Gated delta net's own context parallelism (megatron-core 0.18+) assumes Megatron's token
+    placement: the check compares layout keys.  Mamba layers follow every layout (megatron/mamba.py)."""
     import torch
-    from striped_sp.megatron import hooks
+    from striped_sp.megatron import hooks, refusals
 
     class MambaLayer(torch.nn.Module):
         pass
 
-    model = torch.nn.Sequential(MambaLayer())
+    class GatedDeltaNet(torch.nn.Module):
+        pass
+
     monkeypatch.setitem(hooks._STATE, "algo", algo)
+    hooks._check_model(torch.nn.Sequential(MambaLayer()))  # never refused
+    monkeypatch.setattr(refusals, "megatron_core_line", lambda: (0, 19))  # megatron-core's GDN has CP
+    model = torch.nn.Sequential(GatedDeltaNet())
     if refused:
-        with pytest.raises(ValueError, match=r"Mamba .* zigzag"):
+        with pytest.raises(ValueError, match=r"gated delta net .* zigzag"):
             hooks._check_model(model)
     else:
         hooks._check_model(model)
