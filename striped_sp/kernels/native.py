@@ -8,7 +8,14 @@ sees the keys of the whole prefix up to its own stripe (a staircase), and 32 str
 gathered about 15 times the block's keys per step.  :func:`unfold_staircases` rewrites such runs
 before the grouping, exactly and with no key twice: one causal segment over the whole run, shifted
 so that each stripe's last row sees its whole prefix, and per stripe the triangle of keys that the
-causal edge cuts off from its other rows (window ``(0, -1)``): two calls instead of one."""
+causal edge cuts off from its other rows (window ``(0, -1)``): two calls instead of one.
+
+Window classes are launches: a varlen kernel takes one window per call.  A window's lower edge
+cuts some segments of a windowed packed row at offsets of their own (``(wl, -1)`` for every
+``wl``: 3-6 classes per ring step under per-document stripes and zigzag).
+:func:`fold_window_edges` rewrites each into at most a full rectangle and a causal square on
+reversed rows (keys from row ``u`` on are, read backwards, keys up to row ``u``), exactly: the
+edges join the causal and full classes the step has anyway."""
 
 from __future__ import annotations
 
@@ -130,8 +137,13 @@ def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list
     call = torch.repeat_interleave(torch.arange(len(calls)), counts)
     wl, wr, q0, k0, lq, lk = (torch.cat([getattr(c, f) for c in calls]) for f in ("wl", "wr", "q_start", "k_start",
                                                                                   "lq", "lk"))
-    # a call whose stripes gather a block's worth of keys more than once is unfolded
-    call, wl, wr, q0, k0, lq, lk = unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving=nk)
+    # window edges as full and (reversed) causal segments: before the unfolding, whose triangles
+    # share the rows of their causal run and so must stay a class of their own
+    call, wl, wr, q0, k0, lq, lk, rev, folded = fold_window_edges(call, wl, wr, q0, k0, lq, lk)
+    # a call whose stripes gather a block's worth of keys more than once is unfolded (never a folded
+    # edge's rectangle: its rows are its reversed square's, which a causal run would then share)
+    call, wl, wr, q0, k0, lq, lk, rev = unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving=nk, extra=(rev,),
+                                                          fixed=folded)
     # one int64 key per (call, window): windows numbered first (1-D uniques are fast, dim=0 is not)
     wls, wl_id = torch.unique(wl, return_inverse=True)
     wrs, wr_id = torch.unique(wr, return_inverse=True)
@@ -145,7 +157,7 @@ def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list
     seg, row = seg[order], row[order]
     g_of = group[seg]
     sizes = torch.bincount(g_of, minlength=keys.size(0))
-    lens_q, lens_k = lq[seg], lk[seg]
+    lens_q, lens_k, rev_e = lq[seg], lk[seg], rev[seg]
     firsts = torch.cumsum(sizes, 0) - sizes  # each group's first entry
 
     def cu(lens):  # per group [0, cumsum of its lens]: groups back to back, (entries + 1) each
@@ -164,8 +176,8 @@ def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list
     tot_q, tot_k = per_group(lens_q, "sum"), per_group(lens_k, "sum")
     cu_first = (torch.cumsum(sizes + 1, 0) - (sizes + 1)).tolist()  # group g holds sizes[g] + 1 values
     cus_q, cus_k = arena.add(cu(lens_q)), arena.add(cu(lens_k))
-    q_rows = _group_rows(q0[seg] + row * nq, lens_q, g_of, sizes, tot_q, arena)
-    k_rows = _group_rows(k0[seg] + row * nk, lens_k, g_of, sizes, tot_k, arena)
+    q_rows = _group_rows(q0[seg] + row * nq, lens_q, g_of, sizes, tot_q, arena, rev_e)
+    k_rows = _group_rows(k0[seg] + row * nk, lens_k, g_of, sizes, tot_k, arena, rev_e)
     tot_q, sizes = tot_q.tolist(), sizes.tolist()
     programs = [[] for _ in calls]
     for g, (c, w_l, w_r) in enumerate(keys.tolist()):
@@ -186,7 +198,50 @@ def _runs_of(link: torch.Tensor) -> tuple:
     return in_run, torch.cumsum(~link, 0) - 1, in_run & ~link
 
 
-def unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving: int = 0) -> tuple:
+def fold_window_edges(call, wl, wr, q0, k0, lq, lk) -> tuple:
+    """Segments (int64, concatenated, in call order) with every window edge ``(wl >= 0, wr = -1)``
+    rewritten into at most three that need no window (module docstring); the same fields and a
+    bool ``rev`` per segment (its rows, queries and keys, read backwards) and a bool ``folded``
+    (a piece of an edge), still in call order.
+
+    Edge ``t`` shows query ``x`` the keys ``y >= x + c`` with ``c = lk - lq - wl``.  With
+    ``c > 0`` its first ``c`` keys are seen by no query and go; with ``c <= 0`` its first
+    ``1 - c`` queries see every key (a full rectangle) and the rest, one key later, see ``y >= x``.
+    Then the keys from row ``lq`` on are seen by every query (a full rectangle), queries from row
+    ``lk`` on see none, and the square left, ``y >= x``, is a bottom-right causal square on
+    reversed rows.  Query rows stay distinct within each class."""
+    edge = (wl >= 0) & (wr < 0)
+    rev = torch.zeros_like(call, dtype=torch.bool)
+    if not bool(edge.any()):
+        return call, wl, wr, q0, k0, lq, lk, rev, rev
+    e_call, e_q0, e_k0, e_lq, e_lk = call[edge], q0[edge], k0[edge], lq[edge], lk[edge]
+    c = e_lk - e_lq - wl[edge]
+    drop = c.clamp(min=0)  # keys no query sees
+    full_rows = torch.minimum((1 - c).clamp(min=0), e_lq)  # queries that see every key
+    # the rest: queries from full_rows on, keys one on (c <= 0) or ``drop`` on (c > 0): y >= x
+    shift = torch.where(c > 0, drop, torch.where(full_rows > 0, torch.ones_like(c), torch.zeros_like(c)))
+    r_q0, r_lq = e_q0 + full_rows, e_lq - full_rows
+    r_k0, r_lk = e_k0 + shift, (e_lk - shift).clamp(min=0)
+    r_lq = torch.minimum(r_lq, r_lk)  # queries past the last key see none
+    full = torch.full_like(c, -1)
+    no, yes = rev[edge], torch.ones_like(rev[edge])
+    parts = [  # (call, wl, wr, q0, k0, lq, lk, rev, folded): kept, the full rows, the square, the keys past it
+        (call[~edge], wl[~edge], wr[~edge], q0[~edge], k0[~edge], lq[~edge], lk[~edge], rev[~edge], rev[~edge]),
+        (e_call, full, full, e_q0, e_k0, full_rows, e_lk, no, yes),
+        (e_call, full, torch.zeros_like(c), r_q0, r_k0, r_lq, r_lq, yes, yes),
+        (e_call, full, full, r_q0, r_k0 + r_lq, r_lq, r_lk - r_lq, no, yes),
+    ]
+    n = call.numel()
+    where = torch.cat([torch.arange(n)[~edge], *(torch.arange(n)[edge] for _ in range(3))])
+    fields = [torch.cat(f) for f in zip(*parts)]
+    keep = (fields[5] > 0) & (fields[6] > 0)
+    order = torch.argsort(fields[0][keep] * n + where[keep], stable=True)
+    out = [f[keep][order] for f in fields]
+    out[7] = out[7] & (out[5] > 1)  # a reversed single row is the row itself
+    return tuple(out)
+
+
+def unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving: int = 0, extra: tuple = (), fixed=None) -> tuple:
     """Segments (int64, concatenated, ``call``: each one's call, in call order) with every
     staircase run rewritten (module docstring); the same fields, still in call order.
 
@@ -197,16 +252,20 @@ def unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving: int = 0) -> tupl
     last row sees exactly its ``e_j`` keys) and, for ``l_j > 1``, a triangle: its first
     ``l_j - 1`` rows against its last ``l_j - 1`` keys with window ``(0, -1)`` (row ``u`` sees
     keys from ``u`` on), the keys that the causal edge leaves out.  Only calls that gather at
-    least ``min_saving`` fewer key rows so are rewritten."""
+    least ``min_saving`` fewer key rows so are rewritten.  ``extra``: more per-segment tensors,
+    carried along (0 / ``False`` for the new segments) and returned after the fields; ``fixed``
+    (bool per segment): segments never taken into a run."""
     n = call.numel()
     if n < 2:
-        return call, wl, wr, q0, k0, lq, lk
+        return call, wl, wr, q0, k0, lq, lk, *extra
     full = (wl < 0) & (wr < 0)
+    if fixed is not None:
+        full = full & ~fixed
     link = torch.zeros(n, dtype=torch.bool)
     link[1:] = ((call[1:] == call[:-1]) & full[1:] & full[:-1] & (q0[1:] == q0[:-1] + lq[:-1])
                 & (k0[1:] == k0[:-1]) & (lk[1:] == lk[:-1] + lq[1:]) & (lk[:-1] >= lq[:-1]))
     if not bool(link.any()):
-        return call, wl, wr, q0, k0, lq, lk
+        return call, wl, wr, q0, k0, lq, lk, *extra
     in_run, run, first = _runs_of(link)
     # the keys a call would gather less, unfolded: a run's last keys once and l - 1 per stripe
     # instead of every stripe's prefix; only a call that gathers at least ``min_saving`` fewer
@@ -218,7 +277,7 @@ def unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving: int = 0) -> tupl
     saving.index_add_(0, call[first], -last_keys[run[first]])
     link &= (saving >= min_saving)[call]
     if not bool(link.any()):
-        return call, wl, wr, q0, k0, lq, lk
+        return call, wl, wr, q0, k0, lq, lk, *extra
     in_run, run, first = _runs_of(link)
     runs = run[first]  # the runs that are rewritten, in order
     rows = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).index_add_(0, run[in_run], lq[in_run])[runs]
@@ -226,11 +285,12 @@ def unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving: int = 0) -> tupl
         0, run[in_run], lk[in_run], "amax", include_self=False)[runs]
     tri = in_run & (lq > 1)
     keep = ~in_run
-    parts = (  # (call, wl, wr, q0, k0, lq, lk) of the kept segments, the causal runs, the triangles
-        (call[keep], wl[keep], wr[keep], q0[keep], k0[keep], lq[keep], lk[keep]),
-        (call[first], torch.full_like(rows, -1), torch.zeros_like(rows), q0[first], k0[first], rows, last_keys),
+    parts = (  # (call, wl, wr, q0, k0, lq, lk, *extra) of the kept segments, the causal runs, the triangles
+        (call[keep], wl[keep], wr[keep], q0[keep], k0[keep], lq[keep], lk[keep], *(x[keep] for x in extra)),
+        (call[first], torch.full_like(rows, -1), torch.zeros_like(rows), q0[first], k0[first], rows, last_keys,
+         *(torch.zeros_like(x[first]) for x in extra)),
         (call[tri], torch.zeros_like(lq[tri]), torch.full_like(lq[tri], -1), q0[tri], (k0 + lk - lq + 1)[tri],
-         lq[tri] - 1, lq[tri] - 1),
+         lq[tri] - 1, lq[tri] - 1, *(torch.zeros_like(x[tri]) for x in extra)),
     )
     # back in call order; inside a call the kept and causal segments in their order, then the triangles
     where = torch.cat([torch.arange(n)[keep], torch.arange(n)[first], n + torch.arange(n)[tri]])
@@ -239,14 +299,17 @@ def unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving: int = 0) -> tupl
     return tuple(f[order] for f in fields)
 
 
-def _group_rows(starts, lens, g_of, sizes, totals, arena) -> list:
+def _group_rows(starts, lens, g_of, sizes, totals, arena, rev=None) -> list:
     """Per group ``(span, None)`` when its entries' rows (``starts`` / ``lens`` in entry order, a
-    group's back to back) run as one range, else ``(None, slot)``: a view of one arena tensor
-    that holds the rows of every group that is not a span (expanded only for those)."""
+    group's back to back; an entry with ``rev`` backwards) run as one range, else ``(None,
+    slot)``: a view of one arena tensor that holds the rows of every group that is not a span
+    (expanded only for those)."""
     groups = sizes.numel()
     gap = (starts[1:] != starts[:-1] + lens[:-1]) & (g_of[1:] == g_of[:-1])
     broken = torch.zeros(groups, dtype=torch.bool)
     broken[g_of[1:][gap]] = True
+    if rev is not None and bool(rev.any()):
+        broken[g_of[rev]] = True
     firsts = torch.cumsum(sizes, 0) - sizes
     first_row = starts[firsts.clamp(max=max(starts.numel() - 1, 0))] if starts.numel() else firsts
     out = [None] * groups
@@ -256,6 +319,11 @@ def _group_rows(starts, lens, g_of, sizes, totals, arena) -> list:
     if bool(broken.any()):
         sel = broken[g_of]
         rows = _ranges(starts[sel], lens[sel])
+        if rev is not None and bool(rev[sel].any()):  # row j of a reversed entry: start + len - 1 - j
+            r_lens, r_rev, r_starts = lens[sel], rev[sel], starts[sel]
+            entry = torch.repeat_interleave(torch.arange(r_lens.numel()), r_lens)
+            flip = r_rev[entry]
+            rows = torch.where(flip, 2 * r_starts[entry] + r_lens[entry] - 1 - rows, rows)
         tot = torch.where(broken, totals, torch.zeros_like(totals))
         at = (torch.cumsum(tot, 0) - tot).tolist()
         parent = arena.add(rows)

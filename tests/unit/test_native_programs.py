@@ -14,8 +14,10 @@ from striped_sp.kernels.native import native_programs
 def _call(rng, count, nq):
     lq = [rng.randint(1, 9) for _ in range(count)]
     lk = [rng.randint(1, 9) for _ in range(count)]
-    wl = [rng.choice([-1, -1, 3]) for _ in range(count)]
+    # bands (3, 0), causal and full segments: window edges ((wl, -1)) are folded into other classes,
+    # test_window_edges_fold_into_the_causal_and_full_classes below
     wr = [rng.choice([-1, 0]) for _ in range(count)]
+    wl = [rng.choice([-1, -1, 3]) if r == 0 else -1 for r in wr]
     q0 = sorted(rng.sample(range(nq - 10), count))
     k0 = [rng.randint(0, nq - 10) for _ in range(count)]
     cu = lambda xs: torch.tensor([0] + list(torch.tensor(xs).cumsum(0)))  # noqa: E731
@@ -79,3 +81,61 @@ def test_every_call_of_a_plan_at_once():
         assert programs[-1].groups[0].q_span == ((0, 20) if b == 1 else None)
         for segs, program in zip(calls, programs):
             assert _got(program) == _expected(segs, b, 200, 210)
+
+
+def _visible(lq, lk, wl, wr):
+    """The (query, key) pairs a bottom-right aligned window shows in one segment."""
+    sh = lk - lq
+    return {(x, y) for x in range(lq) for y in range(lk)
+            if (wl < 0 or y >= x + sh - wl) and (wr < 0 or y <= x + sh + wr)}
+
+
+def _pairs_of_segments(segs, b, nq, nk):
+    out = set()
+    for i in range(b):
+        for t in range(len(segs)):
+            q0, k0 = int(segs.q_start[t]), int(segs.k_start[t])
+            for x, y in _visible(int(segs.lq[t]), int(segs.lk[t]), int(segs.wl[t]), int(segs.wr[t])):
+                out.add((i * nq + q0 + x, i * nk + k0 + y))
+    return out
+
+
+def _pairs_of_program(program):
+    """Every (query row, key row) a program's launches show, and how many launches; asserts that a
+    launch's query rows are distinct (its merge adds by row) and no pair is shown twice."""
+    out = []
+    for g in program.groups:
+        q, k = _rows(g.q_span, g.q_rows), _rows(g.k_span, g.k_rows)
+        assert len(set(q)) == len(q), ("a launch with a query row twice", g.wl, g.wr)
+        cq, ck = g.cu_q.t.tolist(), g.cu_k.t.tolist()
+        for t in range(len(cq) - 1):
+            for x, y in _visible(cq[t + 1] - cq[t], ck[t + 1] - ck[t], g.wl, g.wr):
+                out.append((q[cq[t] + x], k[ck[t] + y]))
+    assert len(out) == len(set(out)), "a score entry shown twice"
+    return set(out), len(program.groups)
+
+
+def test_window_edges_fold_into_the_causal_and_full_classes():
+    """Window edges ``(wl >= 0, -1)`` at offsets of their own (a windowed packed row's) run in the
+    causal and full launches a call has anyway: the same score entries, each once, no launch with
+    a query row twice, and at most 2 launches per call without bands."""
+    rng = random.Random(11)
+    for trial in range(60):
+        count, nq, nk = rng.randint(1, 10), 120, 130
+        lq = [rng.randint(1, 12) for _ in range(count)]
+        lk = [rng.randint(1, 12) for _ in range(count)]
+        wr = [rng.choice([-1, -1, 0]) for _ in range(count)]
+        wl = [rng.choice([-1, 0, 1, 2, 5, 9, 15, 40]) if r < 0 else -1 for r in wr]
+        q0, at = [], 0
+        for n in lq:  # distinct query rows, in order
+            at += rng.randint(0, 3)
+            q0.append(at)
+            at += n
+        k0 = [rng.randint(0, nk - 12) for _ in range(count)]
+        cu = lambda xs: torch.tensor([0] + list(torch.tensor(xs).cumsum(0)))  # noqa: E731
+        segs = Segments(cu(lq), cu(lk), torch.tensor(wl), torch.tensor(wr), torch.tensor(q0), torch.tensor(k0))
+        for b in (1, 2):
+            program = native_programs([segs], b, nq, nk, Arena())[0]
+            got, launches = _pairs_of_program(program)
+            assert got == _pairs_of_segments(segs, b, nq, nk), (trial, b)
+            assert launches <= 2, (trial, [(g.wl, g.wr) for g in program.groups])
