@@ -1,8 +1,8 @@
-"""Mamba layers at CP=2 under every layout (striped_sp/megatron/mamba.py), on 2 gloo ranks.
+"""Mamba layers at CP=2 and CP=4 under every layout (striped_sp/megatron/mamba.py), on gloo ranks.
 
 A hybrid stack of megatron-core's own layers (MambaModel on 0.16 / 0.17, HybridModel from 0.18;
 'M' Mamba, '*' attention, '-' MLP) at CP=2, its batch sliced by the plugin, equals the same
-model at CP=1 on the same weights and tokens: the loss within 1e-6 relative and every gradient
+model at CP=1 on the same weights and tokens (a few cases at CP=4 too): the loss within 1e-6 relative and every gradient
 within 1e-5 (largest error over the largest entry).  The CP=1 reference runs megatron-core's own
 code with the plugin uninstalled (its RoPE, its THD params with ``seq_idx``) and an independent
 float64 core attention; both runs use the same pure-torch stand-ins for mamba_ssm's kernels
@@ -79,17 +79,25 @@ def test_install_replaces_mambas_undo_and_redo_only_and_uninstall_restores():
     assert {n: getattr(mcp, n) for n in names} == before
 
 
-# ---------------------------------------------------------------- 2 gloo ranks
+# ---------------------------------------------------------------- 4 gloo ranks (CP groups of 2 and 4)
 
 
-def _groups():
+_GROUPS = {}
+
+
+def _groups(cp):
+    """(a group of this rank alone, this rank's CP group of ``cp`` ranks) in a world of 4: Megatron's
+    own CP group for 4, the pairs [0, 2] / [1, 3] for 2 (made once per process, in step)."""
     from megatron.core import parallel_state
 
     from striped_sp.megatron.toy import single_rank_group
 
-    if not parallel_state.model_parallel_is_initialized():
+    if not _GROUPS:
         parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
-    return single_rank_group(), parallel_state.get_context_parallel_group()
+        _GROUPS[1] = single_rank_group()
+        _GROUPS[2] = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]
+        _GROUPS[4] = parallel_state.get_context_parallel_group()
+    return _GROUPS[1], _GROUPS[cp]
 
 
 def _compare(model, ref, loss, ref_loss, group, seed):
@@ -108,15 +116,15 @@ def _compare(model, ref, loss, ref_loss, group, seed):
     assert not bad, f"seed={seed}: errors above loss {LOSS_TOL} / gradient {GRAD_TOL}: {bad}"
 
 
-def check_mamba(algo, pattern, docs, seed):
-    """``pattern`` at CP=2 under ``algo`` equals CP=1 (``docs``: None dense, a list of lengths
+def check_mamba(algo, pattern, docs, seed, cp=2):
+    """``pattern`` at CP=``cp`` under ``algo`` equals CP=1 (``docs``: None dense, a list of lengths
     packed, or (real, padded) lengths)."""
     import striped_sp.megatron as sm
     from mamba_reference_ops import use_reference_ops
     from megatron_mamba import hybrid_model, reference_model, run_row
 
     use_reference_ops()
-    alone, group = _groups()
+    alone, group = _groups(cp)
     sm.install(algo)
     try:
         ref = reference_model(alone, pattern, VOCAB, seed=seed)
@@ -167,12 +175,16 @@ CASES = [
     ("planted-packed-order-fails", check_wrong_permutation_fails, ("none", "striped", DOCS, SEED + 11)),
     ("planted-no-documents-fails", check_wrong_permutation_fails,
      ("no-documents", "striped:stripe=doc", DOCS, SEED + 12)),
+    # CP=4: 8 Mamba heads in 2 groups, so each group's B / C state is repeated on 2 ranks
+    ("cp4-striped-dense-M*M*", check_mamba, ("striped", "M*M*", None, SEED + 20, 4)),
+    ("cp4-striped-packed-M-*-", check_mamba, ("striped", "M-*-", DOCS, SEED + 21, 4)),
+    ("cp4-zigzag-dense-M*M*", check_mamba, ("zigzag", "M*M*", None, SEED + 22, 4)),
 ]
 _results = {}
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
-def test_mamba_layers_on_2_ranks(name):
+def test_mamba_layers_on_4_ranks(name):
     if not _results:
-        _results.update(run_cases(2, CASES))
+        _results.update(run_cases(4, CASES))
     assert _results[name] is None, _results[name]
