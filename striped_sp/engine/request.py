@@ -260,8 +260,7 @@ class RingRequest:
             kernel = resolve_kernel(self.backend, q.device, q.dtype, dims, deterministic=self.deterministic,
                                     varlen=mask is not None)
         if mask is not None and kernel.varlen_unavailable_reason() is not None:
-            what = "hierarchical CP (ulysses_size > 1 runs the varlen plans)" if self.hierarchical else \
-                "cu_seqlens / window_size"
+            what = "cu_seqlens / window_size" + (" under hierarchical CP" if self.hierarchical else "")
             raise ValueError(f"backend {kernel.name!r} cannot run {what}: {kernel.varlen_unavailable_reason()}")
         return _Call(kernel, scale, mask, comm, "sliced", u)
 

@@ -7,10 +7,13 @@ GPUs of one node) and ``u`` *outer* groups (outer group ``i`` = ``c_i, c_{i+u}, 
 Data stays sharded as for the 1-D ring: rank ``c_m`` holds ``shard(x, N, m, layout)``.  Inside an
 inner group an all-to-all trades heads for tokens: afterwards member ``i`` holds the tokens of the
 whole inner group (its members' shards, member after member) for heads slice ``i``.  Those tokens
-are one rank of a :class:`GroupedLayout` on ``r`` ranks, and the ring runs over the outer group
-``i`` with the engine's masked plans (documents and windows included).  The inverse all-to-all
-gives every rank its own tokens with every head back.  ``u = N`` is pure Ulysses (the ring has one
-rank), ``u = 1`` the plain ring.
+are one rank of a :class:`~striped_sp.plan.grouped.GroupedLayout` on ``r`` ranks, and the ring runs
+over the outer group ``i``: on dense rows the pairs of member blocks on the layout's dense plans,
+with documents or windows the masked plans.  ``u = N`` is pure Ulysses (the ring has one rank): the
+plan's run order puts the gathered row in natural order, one causal call (one varlen call on
+packed rows), and its inverse puts the output and the gradients back (:mod:`striped_sp.engine.run_order`).
+The inverse all-to-all gives every rank its own tokens with every head back.  ``u = 1`` is the plain
+ring.
 
 Heads: ``heads % u == 0``; kv heads either divide by ``u`` or divide ``u`` (then each kv head is
 replicated ``u / kv_heads`` times before the all-to-all, so every member gets the one kv head its

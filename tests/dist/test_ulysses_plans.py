@@ -141,3 +141,5 @@ def test_dry_run_of_the_cuda_path(cuda_branch_on_meta, args):
     if args["ulysses_size"] == n:
         assert all(p.order is not None and p.order.device.type == "meta" for p in plans)
         assert all(sum(p.launches(t) for t in range(p.steps)) == 1 for p in plans)
+        if "cu_seqlens" not in args:  # one causal call forward, its backward in head halves, per member
+            assert later.kernels["forward"] == n * (1 + len(head_splits(h // n, 8 // n))), later.kernels
