@@ -181,7 +181,7 @@ def test_sparse_attention_is_refused_not_swapped_for_dense(installed):
     if megatron_core_line() < (0, 19):
         expected = r"DeepSeek sparse attention .* megatron-core \S+ itself has no context parallelism"
     else:
-        expected = r"DeepSeek sparse attention .* all-gather.* native"
+        expected = r"DeepSeek sparse attention .*all-gather.* native"
     with pytest.raises(ValueError, match=expected):
         sm.patch_layer_spec(dsa, "striped")
 
