@@ -96,9 +96,9 @@ def deterministic_flags(monkeypatch) -> list:
 
     seen = []
 
-    def spy(backend, device, dtype, head_dim=None, deterministic=False):
+    def spy(backend, device, dtype, head_dim=None, deterministic=False, **kwargs):
         seen.append(deterministic)
-        return resolve_kernel(backend, device, dtype, head_dim, deterministic=deterministic)
+        return resolve_kernel(backend, device, dtype, head_dim, deterministic=deterministic, **kwargs)
 
     monkeypatch.setattr(attention, "resolve_kernel", spy)
     return seen
