@@ -26,6 +26,8 @@ def setup_line(model, algo: str) -> str | None:
     from ..setup_report import setup_line as line
     from .attention import ContextParallelAttention
 
+    if not hasattr(model, "modules"):  # not a module (a test's stand-in): nothing to report
+        return None
     attention = next((m for m in model.modules() if isinstance(m, ContextParallelAttention)), None)
     if attention is None:
         return None
