@@ -10,12 +10,15 @@ before the grouping, exactly and with no key twice: one causal segment over the 
 so that each stripe's last row sees its whole prefix, and per stripe the triangle of keys that the
 causal edge cuts off from its other rows (window ``(0, -1)``): two calls instead of one.
 
-Window classes are launches: a varlen kernel takes one window per call.  A window's lower edge
-cuts some segments of a windowed packed row at offsets of their own (``(wl, -1)`` for every
-``wl``: 3-6 classes per ring step under per-document stripes and zigzag).
-:func:`fold_window_edges` rewrites each into at most a full rectangle and a causal square on
-reversed rows (keys from row ``u`` on are, read backwards, keys up to row ``u``), exactly: the
-edges join the causal and full classes the step has anyway."""
+Window classes are launches: a varlen kernel takes one window per call, and a ring step's calls
+share their launches (:func:`native_programs`' launch sets: their outputs merge call by call).  A
+window cuts the segments of a windowed packed row at offsets of their own (``(wl, -1)`` and
+``(wl, 0)`` for many ``wl``: 3-6 classes per ring step under per-document stripes and zigzag).
+Where a step has more than two classes, :func:`split_bands` cuts each causal band into causal
+squares and window edges, :func:`fold_window_edges` each edge into at most a full rectangle and
+a causal square on reversed rows (keys from row ``u`` on are, read backwards, keys up to row
+``u``), and the unfolded triangles likewise run reversed: exactly, in the causal and full
+launches (2 per step).  A step of at most two classes keeps its windows (spans, no gathers)."""
 
 from __future__ import annotations
 
@@ -49,6 +52,10 @@ class _Group:
     total_q: int
     q_span: tuple | None = None  # (first, count): the rows are first .. first + count - 1, in order
     k_span: tuple | None = None
+    #: ``(offset, count)`` of the output rows merged at once: one part, or (calls of one launch set
+    #: whose query rows repeat) one per call, each with distinct rows
+    parts: tuple = ()
+    part_rows: tuple = ()  # each part's rows (views of q_rows, placed with it)
 
     @property
     def window(self) -> tuple:
@@ -86,8 +93,12 @@ class NativeCall:
             if g.q_span is not None:
                 a, n = g.q_span
                 _merge(acc_f[:, a:a + n], lse_f[:, :, a:a + n], o, l)
-            else:
+            elif len(g.parts) < 2:
                 _merge_rows(acc_f, lse_f, g.q_rows.t, o, l)
+            else:  # a row merges once per part: the parts' rows repeat
+                sizes = [n for _, n in g.parts]
+                for rows, o_p, l_p in zip(g.part_rows, o.split(sizes, 1), l.split(sizes, 2)):
+                    _merge_rows(acc_f, lse_f, rows.t, o_p, l_p)
         if b != 1 or not acc_lse.is_contiguous():  # else lse_f is a view of acc_lse
             acc_lse.copy_(lse_f.view(h, b, nq).transpose(0, 1))
 
@@ -126,34 +137,51 @@ def _add(x: torch.Tensor, span: tuple | None, rows: Slot | None, value: torch.Te
         x.index_add_(0, rows.t, value)
 
 
-def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list:
+def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena, launch_sets: list | None = None) -> list:
     """:class:`NativeCall` programs of many varlen calls at once (``calls``: their
     :class:`Segments`), vectorised over every call and window class: the rows, int32 cu_seqlens
     and longest segments of all groups come from one pass, their slots are views of four arena
-    tensors.  Within a group, entries run batch row by batch row, each in segment order."""
+    tensors.  Within a group, entries run call by call, batch row by batch row, each in segment
+    order.
+
+    ``launch_sets``: per call, the program it joins (default: a program per call).  The calls of
+    one set share their launches, one per window class (a ring step's calls: zigzag's and
+    per-document stripes' second key piece of a document is a call of its own, since its query
+    rows repeat the first's); their outputs then merge call by call.  One program per set.  An
+    unfolded staircase's triangles run with the causal class on reversed rows, merged apart."""
     if not calls:
         return []
     counts = torch.tensor([len(c) for c in calls], dtype=torch.int64)
     call = torch.repeat_interleave(torch.arange(len(calls)), counts)
+    sets = torch.arange(len(calls)) if launch_sets is None else torch.as_tensor(launch_sets, dtype=torch.int64)
     wl, wr, q0, k0, lq, lk = (torch.cat([getattr(c, f) for c in calls]) for f in ("wl", "wr", "q_start", "k_start",
                                                                                   "lq", "lk"))
     # window edges as full and (reversed) causal segments: before the unfolding, whose triangles
     # share the rows of their causal run and so must stay a class of their own
-    call, wl, wr, q0, k0, lq, lk, rev, folded = fold_window_edges(call, wl, wr, q0, k0, lq, lk)
-    # a call whose stripes gather a block's worth of keys more than once is unfolded (never a folded
-    # edge's rectangle: its rows are its reversed square's, which a causal run would then share)
-    call, wl, wr, q0, k0, lq, lk, rev = unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving=nk, extra=(rev,),
-                                                          fixed=folded)
+    # a call whose stripes gather a block's worth of keys more than once is unfolded; its triangles
+    # (the window (0, -1) segments it makes) share their causal run's rows
+    orig = torch.ones_like(call, dtype=torch.bool)
+    call, wl, wr, q0, k0, lq, lk, orig = unfold_staircases(call, wl, wr, q0, k0, lq, lk, min_saving=nk, extra=(orig,))
+    tri = ~orig & (wl == 0) & (wr < 0)
+    # in a launch set of more than two window classes: causal bands as causal squares and window
+    # edges (whose rows are the squares'), every edge as full and (reversed) causal segments; the
+    # pieces that share rows with others of their class are merged apart (parts)
+    crowded = _crowded(sets, call, wl, wr)
+    call, wl, wr, q0, k0, lq, lk, lower, tri = split_bands(call, wl, wr, q0, k0, lq, lk, only=crowded[sets[call]],
+                                                           extra=(tri,))
+    call, wl, wr, q0, k0, lq, lk, rev, _, lower, tri = fold_window_edges(call, wl, wr, q0, k0, lq, lk,
+                                                                         extra=(lower, tri), only=crowded[sets[call]])
+    part = call * 3 + torch.where(tri, 1, torch.where(lower, 2, 0))
     # one int64 key per (call, window): windows numbered first (1-D uniques are fast, dim=0 is not)
     wls, wl_id = torch.unique(wl, return_inverse=True)
     wrs, wr_id = torch.unique(wr, return_inverse=True)
-    uniq, group = torch.unique((call * wls.numel() + wl_id) * wrs.numel() + wr_id, return_inverse=True)
+    uniq, group = torch.unique((sets[call] * wls.numel() + wl_id) * wrs.numel() + wr_id, return_inverse=True)
     keys = torch.stack([uniq // (wls.numel() * wrs.numel()), wls[uniq // wrs.numel() % wls.numel()],
                         wrs[uniq % wrs.numel()]], 1)
-    # entries (segment, batch row) ordered by group, then batch row, then segment order
+    # entries (segment, batch row) ordered by group, then call, then batch row, then segment order
     seg = torch.arange(call.numel()).repeat(b)
     row = torch.arange(b).repeat_interleave(call.numel())
-    order = torch.argsort((group[seg] * b + row) * max(call.numel(), 1) + seg)
+    order = torch.argsort(((group[seg] * 3 * len(calls) + part[seg]) * b + row) * max(call.numel(), 1) + seg)
     seg, row = seg[order], row[order]
     g_of = group[seg]
     sizes = torch.bincount(g_of, minlength=keys.size(0))
@@ -178,16 +206,40 @@ def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena) -> list
     cus_q, cus_k = arena.add(cu(lens_q)), arena.add(cu(lens_k))
     q_rows = _group_rows(q0[seg] + row * nq, lens_q, g_of, sizes, tot_q, arena, rev_e)
     k_rows = _group_rows(k0[seg] + row * nk, lens_k, g_of, sizes, tot_k, arena, rev_e)
+    parts = _parts(g_of, part[seg], lens_q, q0[seg] + row * nq, keys.size(0))
     tot_q, sizes = tot_q.tolist(), sizes.tolist()
-    programs = [[] for _ in calls]
+    programs = [[] for _ in range(int(sets.max()) + 1)]
     for g, (c, w_l, w_r) in enumerate(keys.tolist()):
         (q_span, q_slot), (k_span, k_slot) = q_rows[g], k_rows[g]
         # flash-attn turns an unbounded side of a one-sided window into max_seqlen_k; with
         # bottom-right alignment that is exact only when max_seqlen_k >= every segment's lq
         programs[c].append(_Group(w_l, w_r, q_slot, arena.view(cus_q, cu_first[g], sizes[g] + 1), max_q[g], k_slot,
                                   arena.view(cus_k, cu_first[g], sizes[g] + 1), max(max_q[g], max_k[g]), tot_q[g],
-                                  q_span, k_span))
+                                  q_span, k_span, parts[g],
+                                  tuple(arena.view(q_slot, a, n) for a, n in parts[g]) if q_slot is not None else ()))
     return [NativeCall(groups) for groups in programs]
+
+
+def _parts(g_of, call_e, lens_q, starts, groups: int) -> list:
+    """Per group, the ``(offset, count)`` of its output rows per part (a call, or a call's
+    unfolded triangles) when its query rows repeat, else ``()``: one merge."""
+    out = [()] * groups
+    if g_of.numel() == 0 or bool((call_e[1:] == call_e[:-1])[g_of[1:] == g_of[:-1]].all()):
+        return out  # every group one call's
+    for g in torch.unique(g_of).tolist():
+        sel = g_of == g
+        calls_g, lens_g = call_e[sel], lens_q[sel]
+        if bool((calls_g == calls_g[0]).all()):
+            continue
+        rows = _ranges(starts[sel], lens_g)
+        if torch.unique(rows).numel() == rows.numel():
+            continue  # distinct rows: one merge
+        firsts, counts = torch.unique_consecutive(calls_g, return_counts=True)
+        rows_per = torch.zeros(firsts.numel(), dtype=torch.int64).index_add_(
+            0, torch.repeat_interleave(torch.arange(firsts.numel()), counts), lens_g)
+        offsets = torch.cumsum(rows_per, 0) - rows_per
+        out[g] = tuple(zip(offsets.tolist(), rows_per.tolist()))
+    return out
 
 
 def _runs_of(link: torch.Tensor) -> tuple:
@@ -198,11 +250,64 @@ def _runs_of(link: torch.Tensor) -> tuple:
     return in_run, torch.cumsum(~link, 0) - 1, in_run & ~link
 
 
-def fold_window_edges(call, wl, wr, q0, k0, lq, lk) -> tuple:
+def _crowded(sets, call, wl, wr) -> torch.Tensor:
+    """Per launch set, whether its segments hold more than two window classes (launches)."""
+    key = (sets[call] * (wl.max() + 2) + wl + 1) * (wr.max() + 2) + wr + 1
+    uniq = torch.unique(key)
+    per_set = torch.bincount(uniq // ((wl.max() + 2) * (wr.max() + 2)), minlength=int(sets.max()) + 1)
+    return per_set > 2
+
+
+def split_bands(call, wl, wr, q0, k0, lq, lk, only=None, extra: tuple = ()) -> tuple:
+    """Segments (int64, in call order) with every causal band ``(wl >= 0, wr = 0)`` cut into
+    blocks of ``B = max(wl, 1)`` rows, each a causal square (its rows against the ``B`` keys
+    ending on its diagonal) and a window edge (the same rows against the ``wl`` keys before,
+    ``y >= x + sh - wl``) for :func:`fold_window_edges`; the same fields and a bool ``lower`` (an
+    edge made here: its rows are its square's), still in call order.  A band's first
+    ``lq - lk`` rows, which see no key, go.  ``only``: the segments that may be split; ``extra``:
+    more per-segment tensors, carried (``False`` / 0 for the new segments), returned last."""
+    band = (wl >= 0) & (wr == 0)
+    if only is not None:
+        band &= only
+    lower = torch.zeros_like(call, dtype=torch.bool)
+    if not bool(band.any()):
+        return call, wl, wr, q0, k0, lq, lk, lower, *extra
+    blind = (lq - lk).clamp(min=0)[band]
+    b_wl, b_lq = wl[band], lq[band] - blind
+    size = b_wl.clamp(min=1)
+    blocks = (b_lq + size - 1) // size
+    which = torch.repeat_interleave(torch.arange(b_wl.numel()), blocks)
+    j = torch.arange(which.numel()) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+    w, sz, sh = b_wl[which], size[which], (lk[band] - b_lq)[which]  # sh >= 0
+    x0 = j * sz
+    rows = torch.minimum(sz, b_lq[which] - x0)
+    bq0, bk0, bcall = (q0[band] + blind)[which] + x0, k0[band][which], call[band][which]
+    ks = (x0 + sh - w).clamp(min=0)  # the edge's keys: [ks, x0 + sh), the square's: [x0 + sh, x0 + sh + rows)
+    e_lk = x0 + sh - ks
+    e_wl = e_lk - rows - (x0 + sh - w - ks)  # y >= x + sh - w, bottom-right: >= 0 as rows <= max(w, 1)
+    minus, zero = torch.full_like(w, -1), torch.zeros_like(w)
+    parts = [  # (call, wl, wr, q0, k0, lq, lk, lower, *extra): kept, the squares, the edges
+        (call[~band], wl[~band], wr[~band], q0[~band], k0[~band], lq[~band], lk[~band], lower[~band],
+         *(x[~band] for x in extra)),
+        (bcall, minus, zero, bq0, bk0 + x0 + sh, rows, rows, zero.bool(), *(torch.zeros_like(x[which]) for x in extra)),
+        (bcall, e_wl.clamp(min=0), minus, bq0, bk0 + ks, rows, e_lk, ~zero.bool(),
+         *(torch.zeros_like(x[which]) for x in extra)),
+    ]
+    n = call.numel()
+    idx = torch.arange(n)[band][which]
+    where = torch.cat([torch.arange(n)[~band], idx, idx])
+    fields = [torch.cat(f) for f in zip(*parts)]
+    keep = (fields[5] > 0) & (fields[6] > 0)
+    order = torch.argsort(fields[0][keep] * n + where[keep], stable=True)
+    return tuple(f[keep][order] for f in fields)
+
+
+def fold_window_edges(call, wl, wr, q0, k0, lq, lk, extra: tuple = (), only=None) -> tuple:
     """Segments (int64, concatenated, in call order) with every window edge ``(wl >= 0, wr = -1)``
     rewritten into at most three that need no window (module docstring); the same fields and a
     bool ``rev`` per segment (its rows, queries and keys, read backwards) and a bool ``folded``
-    (a piece of an edge), still in call order.
+    (a piece of an edge), still in call order; then ``extra`` (per-segment tensors, each piece
+    taking its edge's value).  ``only``: the segments that may be folded.
 
     Edge ``t`` shows query ``x`` the keys ``y >= x + c`` with ``c = lk - lq - wl``.  With
     ``c > 0`` its first ``c`` keys are seen by no query and go; with ``c <= 0`` its first
@@ -211,9 +316,11 @@ def fold_window_edges(call, wl, wr, q0, k0, lq, lk) -> tuple:
     ``lk`` on see none, and the square left, ``y >= x``, is a bottom-right causal square on
     reversed rows.  Query rows stay distinct within each class."""
     edge = (wl >= 0) & (wr < 0)
+    if only is not None:
+        edge &= only
     rev = torch.zeros_like(call, dtype=torch.bool)
     if not bool(edge.any()):
-        return call, wl, wr, q0, k0, lq, lk, rev, rev
+        return call, wl, wr, q0, k0, lq, lk, rev, rev, *extra
     e_call, e_q0, e_k0, e_lq, e_lk = call[edge], q0[edge], k0[edge], lq[edge], lk[edge]
     c = e_lk - e_lq - wl[edge]
     drop = c.clamp(min=0)  # keys no query sees
@@ -225,11 +332,12 @@ def fold_window_edges(call, wl, wr, q0, k0, lq, lk) -> tuple:
     r_lq = torch.minimum(r_lq, r_lk)  # queries past the last key see none
     full = torch.full_like(c, -1)
     no, yes = rev[edge], torch.ones_like(rev[edge])
-    parts = [  # (call, wl, wr, q0, k0, lq, lk, rev, folded): kept, the full rows, the square, the keys past it
-        (call[~edge], wl[~edge], wr[~edge], q0[~edge], k0[~edge], lq[~edge], lk[~edge], rev[~edge], rev[~edge]),
-        (e_call, full, full, e_q0, e_k0, full_rows, e_lk, no, yes),
-        (e_call, full, torch.zeros_like(c), r_q0, r_k0, r_lq, r_lq, yes, yes),
-        (e_call, full, full, r_q0, r_k0 + r_lq, r_lq, r_lk - r_lq, no, yes),
+    parts = [  # (call, wl, wr, q0, k0, lq, lk, rev, folded, *extra): kept, the full rows, the square, the keys past it
+        (call[~edge], wl[~edge], wr[~edge], q0[~edge], k0[~edge], lq[~edge], lk[~edge], rev[~edge], rev[~edge],
+         *(x[~edge] for x in extra)),
+        (e_call, full, full, e_q0, e_k0, full_rows, e_lk, no, yes, *(x[edge] for x in extra)),
+        (e_call, full, torch.zeros_like(c), r_q0, r_k0, r_lq, r_lq, yes, yes, *(x[edge] for x in extra)),
+        (e_call, full, full, r_q0, r_k0 + r_lq, r_lq, r_lk - r_lq, no, yes, *(x[edge] for x in extra)),
     ]
     n = call.numel()
     where = torch.cat([torch.arange(n)[~edge], *(torch.arange(n)[edge] for _ in range(3))])

@@ -344,7 +344,8 @@ def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, 
     """The programs of a plan's varlen calls (``steps[t]``: step ``t``'s :class:`Segments`), as
     ``steps`` is nested: native ones compiled together (:func:`native_programs`), scheduled ones
     scheduled together (:func:`~striped_sp.kernels.schedule.schedule_steps`, with the plan's
-    ``halve`` and ``classes`` rules), one program per distinct call."""
+    ``halve`` and ``classes`` rules), one program per distinct call; native ones one program per
+    step, whose calls share their launches."""
     if not kernel.native_varlen(torch.device(device), dtype, head_dim):
         # every distinct call's schedule derived at once; steps of the same segments (zigzag's
         # padded documents: every step but the first alike) share one program, which only reads
@@ -358,8 +359,11 @@ def compile_steps(kernel, steps: list, b: int, nq: int, nk: int, device, dtype, 
         programs = {key: ScheduledCall(plan, b, arena, nq, nk, form)
                     for key, plan in zip(distinct, schedule_steps(list(distinct.values()), halve, classes))}
         return tuple(tuple(programs[key] for key in step_keys) for step_keys in keys)
-    flat = iter(native_programs([segs for step in steps for segs in step], b, nq, nk, arena))
-    return tuple(tuple(next(flat) for _ in step) for step in steps)
+    # a step's calls share their launches, one per window class (module docstring of kernels/native.py)
+    calls = [segs for step in steps for segs in step]
+    sets = [t for t, step in enumerate(steps) for _ in step]
+    programs = native_programs(calls, b, nq, nk, arena, launch_sets=sets) if calls else []
+    return tuple((programs[t],) if step else () for t, step in enumerate(steps))
 
 
 def _content(segs: Segments) -> bytes:

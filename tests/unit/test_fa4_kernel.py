@@ -102,31 +102,38 @@ def test_aligned_strict_block(fa4):
 
 SEGS = Segments(torch.tensor([0, 7, 19, 33, 45]), torch.tensor([0, 7, 19, 33, 50]), torch.tensor([-1, -1, 5, 0]),
                 torch.tensor([0, 0, 0, -1]))  # two causal pieces, a window (5, 0), a triangle (0, -1) on more keys
+# two window classes (a call of more runs folded into causal and full launches, kernels/native.py)
+WINDOWED = Segments(torch.tensor([0, 7, 19, 31]), torch.tensor([0, 7, 19, 36]), torch.tensor([5, 5, 0]),
+                    torch.tensor([0, 0, -1]))
 
 
+@pytest.mark.parametrize("segs, windows", [
+    (SEGS, {(True, None, None), (False, None, None)}),  # three classes: folded into two launches
+    (WINDOWED, {(False, 5, 0), (False, 0, None)}),  # the neutral form, no -1
+], ids=["folded", "windowed"])
 @pytest.mark.parametrize("dims", [(64, 64), (192, 128)])
-def test_varlen_against_float64(fa4, dims):
+def test_varlen_against_float64(fa4, dims, segs, windows):
     """Packed segments with causal, windowed and one-sided (0, open) bands on FA4's varlen call,
     against the float64 math kernel's schedule of the same segments."""
+    nq, nk = int(segs.cu_q[-1]), int(segs.cu_k[-1])
     double = fa4(fp32=True)
     gen = torch.Generator().manual_seed(5)
-    q, do = torch.randn(2, 45, 8, dims[0], generator=gen), torch.randn(2, 45, 8, dims[1], generator=gen)
-    k, v = torch.randn(2, 50, 2, dims[0], generator=gen), torch.randn(2, 50, 2, dims[1], generator=gen)
+    q, do = torch.randn(2, nq, 8, dims[0], generator=gen), torch.randn(2, nq, 8, dims[1], generator=gen)
+    k, v = torch.randn(2, nk, 2, dims[0], generator=gen), torch.randn(2, nk, 2, dims[1], generator=gen)
 
     def run(kernel, tq, tk, tv, tdo):
-        acc = torch.zeros(2, 45, 8, dims[1], dtype=torch.float64)
-        lse = torch.full((2, 8, 45), float("-inf"), dtype=torch.float64)
-        kernel.forward_varlen(tq, tk, tv, SEGS, SCALE, acc, lse)
+        acc = torch.zeros(2, nq, 8, dims[1], dtype=torch.float64)
+        lse = torch.full((2, 8, nq), float("-inf"), dtype=torch.float64)
+        kernel.forward_varlen(tq, tk, tv, segs, SCALE, acc, lse)
         grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (tq, tk, tv)]
         kernel.backward_varlen(tdo, tq, tk, tv, acc.to(tq.dtype), lse.float() if tq.dtype != torch.float64 else lse,
-                               SEGS, SCALE, *grads)
+                               segs, SCALE, *grads)
         return acc, lse, grads
 
     got = run(FA4Kernel(), q, k, v, do)
     want = run(MathKernel(), *(t.double() for t in (q, k, v, do)))
     assert {c[0] for c in double.calls} == {"_flash_attn_fwd", "_flash_attn_bwd"}
-    windows = {(c[1]["causal"], c[1]["window_size_left"], c[1]["window_size_right"]) for c in double.calls}
-    assert windows == {(True, None, None), (False, 5, 0), (False, 0, None)}  # the neutral form, no -1
+    assert {(c[1]["causal"], c[1]["window_size_left"], c[1]["window_size_right"]) for c in double.calls} == windows
     assert all(c[1]["max_seqlen_q"] is not None and c[1]["max_seqlen_k"] is not None for c in double.calls)
     assert _rel(got[0], want[0]) < 2e-6 and _rel(got[1], want[1]) < 2e-6
     for g, w in zip(got[2], want[2]):

@@ -14,10 +14,13 @@ from striped_sp.kernels.native import native_programs
 def _call(rng, count, nq):
     lq = [rng.randint(1, 9) for _ in range(count)]
     lk = [rng.randint(1, 9) for _ in range(count)]
-    # bands (3, 0), causal and full segments: window edges ((wl, -1)) are folded into other classes,
-    # test_window_edges_fold_into_the_causal_and_full_classes below
+    # causal and full segments, and (1, 0)-bands of one row (a band's first block is the band):
+    # windows are folded into these classes, test_windows_fold_into_the_causal_and_full_classes
     wr = [rng.choice([-1, 0]) for _ in range(count)]
-    wl = [rng.choice([-1, -1, 3]) if r == 0 else -1 for r in wr]
+    wl = [rng.choice([-1, -1, 1]) if r == 0 else -1 for r in wr]
+    lq = [1 if a == 1 else n for a, n in zip(wl, lq)]
+    lk = [max(n, m) if a == 1 else m for a, n, m in zip(wl, lq, lk)]
+    wl = [-1 if a == 1 else a for a in wl]
     q0 = sorted(rng.sample(range(nq - 10), count))
     k0 = [rng.randint(0, nq - 10) for _ in range(count)]
     cu = lambda xs: torch.tensor([0] + list(torch.tensor(xs).cumsum(0)))  # noqa: E731
@@ -106,7 +109,9 @@ def _pairs_of_program(program):
     out = []
     for g in program.groups:
         q, k = _rows(g.q_span, g.q_rows), _rows(g.k_span, g.k_rows)
-        assert len(set(q)) == len(q), ("a launch with a query row twice", g.wl, g.wr)
+        for a, n in (g.parts or ((0, len(q)),)):
+            assert len(set(q[a:a + n])) == n, ("a merge with a query row twice", g.wl, g.wr)
+        assert sum(n for _, n in g.parts) in (0, len(q))
         cq, ck = g.cu_q.t.tolist(), g.cu_k.t.tolist()
         for t in range(len(cq) - 1):
             for x, y in _visible(cq[t + 1] - cq[t], ck[t + 1] - ck[t], g.wl, g.wr):
@@ -115,17 +120,18 @@ def _pairs_of_program(program):
     return set(out), len(program.groups)
 
 
-def test_window_edges_fold_into_the_causal_and_full_classes():
-    """Window edges ``(wl >= 0, -1)`` at offsets of their own (a windowed packed row's) run in the
-    causal and full launches a call has anyway: the same score entries, each once, no launch with
-    a query row twice, and at most 2 launches per call without bands."""
+def test_windows_fold_into_the_causal_and_full_classes():
+    """Window edges ``(wl >= 0, -1)`` and causal bands ``(wl >= 0, 0)`` at offsets of their own (a
+    windowed packed row's) run in the causal and full launches a call has anyway: the same score
+    entries, each once, a launch's query rows distinct within each merge, at most 2 launches."""
     rng = random.Random(11)
     for trial in range(60):
         count, nq, nk = rng.randint(1, 10), 120, 130
         lq = [rng.randint(1, 12) for _ in range(count)]
         lk = [rng.randint(1, 12) for _ in range(count)]
-        wr = [rng.choice([-1, -1, 0]) for _ in range(count)]
-        wl = [rng.choice([-1, 0, 1, 2, 5, 9, 15, 40]) if r < 0 else -1 for r in wr]
+        wr = [rng.choice([-1, -1, 0, 0]) for _ in range(count)]
+        wl = [rng.choice([-1, 0, 1, 2, 5, 9, 15, 40]) for _ in wr]
+        lk = [max(m, n) if r == 0 and a >= 0 else m for m, n, r, a in zip(lk, lq, wr, wl)]  # bands see a key
         q0, at = [], 0
         for n in lq:  # distinct query rows, in order
             at += rng.randint(0, 3)
