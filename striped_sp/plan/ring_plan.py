@@ -41,6 +41,19 @@ from .ring_blocks import all_shared_rows
 __all__ = ["RingPlan", "HostPlan", "build_host_plan", "compile_plan", "build_ring_plan"]
 
 
+class Decision:
+    """A row's decision line (``Layout.decision``), made when first read: pricing zigzag beside the
+    striped plans for it costs about a search's worth on a long packed row, every batch."""
+
+    def __init__(self, make):
+        self._make, self._text = make, None
+
+    def get(self) -> str | None:
+        if self._make is not None:
+            self._text, self._make = self._make(), None
+        return self._text
+
+
 @dataclasses.dataclass
 class RingPlan:
     world_size: int
@@ -62,9 +75,15 @@ class RingPlan:
     cost_model: str = ""
     order: torch.Tensor | None = None  # run row p is the caller's row order[p]
     inverse: torch.Tensor | None = None  # the caller's row t is run row inverse[t]
-    #: what the layout chose for this row and why (``Layout.decision``: the striped search's choice,
-    #: its predicted time, the runner-up, zigzag where predicted faster); ``None``: a fixed layout
-    decision: str | None = None
+    #: what the layout chose for this row and why, made when first read (:attr:`decision`)
+    decision_of: "Decision | None" = dataclasses.field(default=None, compare=False)
+
+    @property
+    def decision(self) -> str | None:
+        """What the layout chose for this row and why (``Layout.decision``: the striped search's
+        choice, its predicted time, the runner-up, zigzag where predicted faster); ``None``: a fixed
+        layout."""
+        return None if self.decision_of is None else self.decision_of.get()
 
     def launches(self, step: int) -> int:
         """Kernel calls of ``step`` per forward (the same per backward)."""
@@ -95,7 +114,11 @@ class HostPlan:
     causal: bool
     masked: bool
     order: torch.Tensor | None = None  # the layout's run_order (CPU int64), None: the caller's order
-    decision: str | None = None  # Layout.decision of the row (RingPlan.decision)
+    decision_of: "Decision | None" = dataclasses.field(default=None, compare=False)  # RingPlan.decision
+
+    @property
+    def decision(self) -> str | None:
+        return None if self.decision_of is None else self.decision_of.get()
 
 
 def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int,
@@ -103,13 +126,13 @@ def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
     """The :class:`HostPlan` of ``rank`` of ``world_size`` (``mask`` ``None``: the dense ring)."""
     n = local_len
     order = layout.run_order(n * world_size, world_size, rank, None if mask is None else mask.bounds)
-    decision = layout.decision(n * world_size, world_size, None if mask is None else mask.bounds)
+    decision = Decision(lambda: layout.decision(n * world_size, world_size, None if mask is None else mask.bounds))
     if mask is None:
         calls = tuple(tuple(layout.plan(rank, (rank - t) % world_size, world_size, n, causal))
                       for t in range(world_size))
         entries = tuple(sum(c.score_entries(n) for c in step) for step in calls)
         return HostPlan(world_size, rank, n, world_size, calls, None, entries, causal, masked=False, order=order,
-                        decision=decision)
+                        decision_of=decision)
     steps = layout.ring_steps(world_size, n, mask)
     shared = None
     if steps > 1:
@@ -120,7 +143,7 @@ def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int
     calls = tuple(tuple(step) for step in ring_plans(layout, mask, world_size, rank, steps))
     entries = tuple(sum(c.entries for c in step) for step in calls)
     return HostPlan(world_size, rank, n, steps, calls, shared, entries, causal, masked=True, order=order,
-                    decision=decision)
+                    decision_of=decision)
 
 
 def _predicted_ms(host: HostPlan, model) -> tuple:
@@ -179,7 +202,7 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
     adopted by a calibration of that kernel there, else the table's)."""
     device = torch.device(device)
     model = model_for(kernel.name, device.type)
-    cost = dict(predicted_ms=_predicted_ms(host, model), cost_model=model.label, decision=host.decision)
+    cost = dict(predicted_ms=_predicted_ms(host, model), cost_model=model.label, decision_of=host.decision_of)
     arena = Arena()
     order = _order_slots(host.order, arena)
     if not host.masked:
