@@ -109,9 +109,12 @@ def _warm_process(cfg: RunConfig, group, device, dtype, memory: bool) -> None:
 
     for lay in cfg.layouts:
         local = 2 * get_layout(lay).seq_multiple  # zigzag's two chunks; a stripe size's multiple
-        with MemoryPeak(device) if memory else contextlib.nullcontext():
-            _fwd_bwd(lambda a, b, c, lay=lay: ring_attention(a, b, c, group, layout=lay, backend=cfg.backend),
-                     *small(local))
+        try:  # refused alike on every rank before any message (a placement on a row without documents)
+            with MemoryPeak(device) if memory else contextlib.nullcontext():
+                _fwd_bwd(lambda a, b, c, lay=lay: ring_attention(a, b, c, group, layout=lay, backend=cfg.backend),
+                         *small(local))
+        except ValueError:
+            pass  # its first timed iteration warms it
     for peer in () if cfg.docs or cfg.window else cfg.peers:
         q, k, v, dout = small(2 * n)
         try:  # a peer that cannot run is reported by the timed phase, not here
