@@ -62,6 +62,14 @@ def layout_of(algo: str) -> str:
     return get_layout(algo if ":" in algo else layout).key
 
 
+def rows_layout(layout: str) -> str:
+    """The layout a ``[b, s]`` batch runs (``--reset-attention-mask`` documents inside whole rows):
+    the rows share one RoPE table, so their documents are never placed, and the bare default (the
+    per-batch search, which places the documents of packed THD rows) runs stripes of 1 there, in
+    the batch slicing and the attention alike; any other layout as it is."""
+    return "striped:stripe=1" if layout == get_layout("striped").key and get_layout(layout).auto else layout
+
+
 def algo_of(args) -> str:
     """The one algo string of ``--context-parallel-algo``, ``--striped-stripe-size`` and
     ``--striped-doc-placement``: the algo name, or for striped with parameters its layout key

@@ -28,7 +28,7 @@ from ..engine.calibration import calibrate_cost_model
 from ..plan.layouts import get_layout, positions
 from ..engine.request import RingRequest
 from . import packed
-from .arguments import kernel_backend_of, layout_of, take_calibration
+from .arguments import kernel_backend_of, layout_of, rows_layout, take_calibration
 
 __all__ = ["ContextParallelAttention", "ContextParallelAttentionTEState"]
 
@@ -241,15 +241,16 @@ class ContextParallelAttention(MegatronModule):
         else:
             documents = self._documents(attention_mask, q.size(1), q.size(0))
             rows = None if documents is None else [documents[i % len(documents)] for i in range(q.size(0))]
+        layout = self.layout if thd else rows_layout(self.layout)  # as the batch slicing placed [b, s] rows
         if rows is None or rows == [None]:
-            out = self._ring(q, k, v, causal, None)
-        elif self._flattens(q.size(1)):
+            out = self._ring(q, k, v, causal, None, layout)
+        elif get_layout(layout).flattens_rows(q.size(1)):
             # A [b, s/N] striped shard is the striped shard of the b rows laid end to end.
             flat = packed.flatten_rows(tuple(rows), len(rows))
-            out = self._ring(*(t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v)), causal, flat)
+            out = self._ring(*(t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v)), causal, flat, layout)
             out = out.view(*q.shape[:-1], v.size(-1))
         else:
-            out = torch.cat([self._ring(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal, rows[i])
+            out = torch.cat([self._ring(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal, rows[i], layout)
                              for i in range(q.size(0))])
         if thd:  # [1, t, h, d] -> [t, h * d]
             return out[0].reshape(out.size(1), -1)
@@ -257,26 +258,22 @@ class ContextParallelAttention(MegatronModule):
         out = out.transpose(0, 1)
         return out.reshape(out.size(0), out.size(1), -1)
 
-    def _flattens(self, local_len: int) -> bool:
-        """Whether the rows of a ``[b, local_len]`` shard run as one flattened row
-        (:meth:`striped_sp.plan.layouts.Layout.flattens_rows`)."""
-        return self._layout.flattens_rows(local_len)
-
-    def _request(self, causal: bool) -> RingRequest:
+    def _request(self, causal: bool, layout: str | None = None) -> RingRequest:
         """This layer's ring request for ``causal`` (built once; again only if a setting changed)."""
-        key = (causal, self.cp_group, self.layout, self.softmax_scale, self.backend, self.window_size,
+        layout = self.layout if layout is None else layout
+        key = (causal, self.cp_group, layout, self.softmax_scale, self.backend, self.window_size,
                self.deterministic, self.ulysses_groups)
         requests = self.__dict__.setdefault("_requests", {})
         request = requests.get(key)
         if request is None:
             request = requests[key] = RingRequest(
-                self.cp_group, layout=self.layout, causal=causal, softmax_scale=self.softmax_scale,
+                self.cp_group, layout=layout, causal=causal, softmax_scale=self.softmax_scale,
                 backend=self.backend, window_size=self.window_size, deterministic=self.deterministic,
                 ulysses_groups=self.ulysses_groups)
         return request
 
-    def _ring(self, q, k, v, causal: bool, cu_seqlens):
-        request = self._request(causal)
+    def _ring(self, q, k, v, causal: bool, cu_seqlens, layout: str | None = None):
+        request = self._request(causal, layout)
         return (request if cu_seqlens is None else request.derive(cu_seqlens=cu_seqlens))(q, k, v)
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..engine.request import prepare_plans
 from ..plan.layouts import get_layout, shard, unshard
 from . import packed
-from .arguments import check_algo, layout_of
+from .arguments import check_algo, layout_of, rows_layout
 
 __all__ = ["get_batch_on_this_cp_rank", "get_thd_batch_on_this_cp_rank", "roll_tensor", "cp_size_and_rank"]
 
@@ -78,7 +78,7 @@ def get_batch_on_this_cp_rank(
         out, _ = get_thd_batch_on_this_cp_rank(batch, batch["cu_seqlens"], batch.get("cu_seqlens_padded"),
                                                batch.get("max_seqlen"), algo=algo, cp_group=cp_group)
         return out
-    layout = layout_of(algo)
+    layout = rows_layout(layout_of(algo))  # [b, s] rows: documents never placed
     size, rank = cp_size_and_rank(cp_group)
     mask = batch.get("attention_mask")
     documents = packed.documents_from_mask(mask) if isinstance(mask, torch.Tensor) else None

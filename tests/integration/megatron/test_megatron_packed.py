@@ -173,8 +173,8 @@ def check_reset_mask(cp, algo, window, seed, recompute=None):
 
     if recompute:
         _cpu_rng_checkpointing()
-    if algo == "striped":  # what algo_of gives under --reset-attention-mask: the default searches THD rows only
-        algo = "striped:stripe=1"
+    # the bare default "striped" as a megatron-core loop passes it: [b, s] rows run stripes of 1 in the
+    # slicing and the attention alike (megatron.arguments.rows_layout; algo_of pins it on the flags route)
     ref, model, group = _models(cp, algo, seed, window, **_RECOMPUTE[recompute])
     model.train()
     seq = 40
