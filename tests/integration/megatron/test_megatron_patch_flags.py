@@ -134,7 +134,8 @@ def test_patched_megatron_lm_parses_and_applies_the_striped_flags(patched):
         assert row["error"] == "SystemExit" and f"argument {flag}: invalid" in row["message"], row
     assert native_stripe["error"] == "ValueError" and "--striped-stripe-size 4 applies to" in native_stripe["message"]
     assert seq["error"] == "ValueError" and "--striped-stripe-size" in seq["message"] and "1536" in seq["message"]
-    assert native == {"algo": "native", "stripe": 1, "timeout": None, "installed": None,
+    # no stripe flag: None (under striped the per-batch search; native takes no stripe size)
+    assert native == {"algo": "native", "stripe": None, "timeout": None, "installed": None,
                       "ring_timeout": 600.0}, native
     assert native_seq["error"] == "AssertionError" and "2 * context-parallel-size" in native_seq["message"]
     assert striped_seq["installed"] == "striped" and "error" not in striped_seq, striped_seq
