@@ -16,7 +16,7 @@ from striped_sp.plan.layouts import get_layout
 from striped_sp.plan.masks import make_mask
 from striped_sp.plan.ring_plan import _predicted_ms, build_host_plan, compile_plan
 
-LAYOUT = get_layout("striped")
+LAYOUT = get_layout("striped:stripe=1")  # stripes of 1 pinned: the bare default searches packed rows
 #: short documents (squares of 20-120 rows per rank: size classes) and one of 1200 tokens (600 rows:
 #: halved at 8 heads of 64 by the CPU op's table model)
 BOUNDS = (0, 40, 100, 180, 300, 1500, 1600, 1664, 1800, 2048)

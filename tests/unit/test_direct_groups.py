@@ -305,7 +305,7 @@ def test_compiled_plans_price_their_size_classes():
     bounds = [0] + torch.cumsum(lens, 0).tolist()
     seq = -(-bounds[-1] // 4) * 4
     bounds[-1] = seq
-    host = RingRequest(None, layout="striped", cu_seqlens=bounds).prepare(seq, world_size=2, rank=0)
+    host = RingRequest(None, layout="striped:stripe=1", cu_seqlens=bounds).prepare(seq, world_size=2, rank=0)
 
     def classes(heads, d):
         plan = compile_plan(host, kernel=KERNELS["torch"], scale=0.1, heads=heads, head_dim=d)

@@ -68,10 +68,10 @@ def test_striped_blocks_are_square_causal_in_two_window_classes(window):
     bounds = [0]
     for x in lengths + ([seq - sum(lengths)] if seq > sum(lengths) else []):
         bounds.append(bounds[-1] + x)
-    spec = make_mask(seq, n, LAYOUTS["striped"], bounds, window, True)
+    spec = make_mask(seq, n, get_layout("striped:stripe=1"), bounds, window, True)
     for rank in range(n):
         for source in range(n):
-            calls = block_plan(LAYOUTS["striped"], spec, n, rank, source)
+            calls = block_plan(get_layout("striped:stripe=1"), spec, n, rank, source)
             assert len(calls) <= 1
             for call in calls:
                 segs = call.segments
@@ -89,9 +89,9 @@ def test_packed_schedule_bounds_the_number_of_kernel_calls():
             break
         bounds.append(bounds[-1] + x)
     bounds.append(seq)
-    spec = make_mask(seq, n, LAYOUTS["striped"], bounds, None, True)
+    spec = make_mask(seq, n, get_layout("striped:stripe=1"), bounds, None, True)
     for source in range(n):
-        for call in block_plan(LAYOUTS["striped"], spec, n, 3, source):
+        for call in block_plan(get_layout("striped:stripe=1"), spec, n, 3, source):
             plan = schedule(call.segments)
             assert len(plan.direct) + len(plan.batches) <= 6
             for pack in plan.batches:

@@ -18,8 +18,8 @@ def _programs(plan) -> list:
 
 @pytest.mark.parametrize("layout,lengths,shared", [
     ("zigzag", [24, 8, 40, 16, 32, 8], True),  # multiples of 2N: zigzag splits each document evenly
-    ("striped", [24, 8, 40, 16, 32, 8], True),  # multiples of N: so does striped
-    ("striped", [23, 9, 41, 15, 33, 7], False),  # source ranks hold other key counts
+    ("striped:stripe=1", [24, 8, 40, 16, 32, 8], True),  # multiples of N: so does striped
+    ("striped:stripe=1", [23, 9, 41, 15, 33, 7], False),  # source ranks hold other key counts
 ], ids=["zigzag", "striped-even", "striped-uneven"])
 def test_steps_of_equal_segments_share_one_program_and_stay_exact(layout, lengths, shared):
     n, h, kvh, d = 4, 2, 1, 8
