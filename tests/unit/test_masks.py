@@ -7,7 +7,7 @@ import torch
 
 import striped_sp
 from reference import reference_mask
-from striped_sp.plan.layouts import LAYOUTS, get_layout
+from striped_sp.plan.layouts import get_layout
 from striped_sp.plan.masks import block_plan, make_mask
 from striped_sp.kernels.varlen import TILE, schedule
 
