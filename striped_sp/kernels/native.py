@@ -252,6 +252,8 @@ def _runs_of(link: torch.Tensor) -> tuple:
 
 def _crowded(sets, call, wl, wr) -> torch.Tensor:
     """Per launch set, whether its segments hold more than two window classes (launches)."""
+    if call.numel() == 0:
+        return torch.zeros(int(sets.max()) + 1, dtype=torch.bool)
     key = (sets[call] * (wl.max() + 2) + wl + 1) * (wr.max() + 2) + wr + 1
     uniq = torch.unique(key)
     per_set = torch.bincount(uniq // ((wl.max() + 2) * (wr.max() + 2)), minlength=int(sets.max()) + 1)
