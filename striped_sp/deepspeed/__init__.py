@@ -9,6 +9,11 @@ engine, optimizer, loader, scheduler = ssd.initialize(model=model, optimizer=opt
 deepspeed and transformers are imported lazily, inside the functions that need them, so the
 module imports without them (the Hugging Face path needs transformers only); a function that needs
 DeepSpeed raises an ``ImportError`` naming the ``deepspeed`` extra when it is missing.
+
+Importing it also installs :mod:`.trainer_guard`: a ``transformers.Trainer`` that is not
+:class:`ContextParallelTrainer` (or a TRL trainer that is not ``ContextParallelSFTTrainer``), built
+with a DeepSpeed JSON that asks for context parallelism, raises a ``ValueError`` naming the class to
+use at the end of its ``__init__``.
 """
 
 import functools as _functools
@@ -21,7 +26,13 @@ from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups
 from .hf import ATTN_IMPLEMENTATION, enable_hf_attention, hf_attention_forward, hf_window, register_hf_attention
 from .initialize import adapt_model, global_loss_hook, initialize
+from .trainer_guard import install_trainer_guard as _install_trainer_guard
 from .zero import fix_zero3_sequence_parallel_grads
+
+# a plain transformers.Trainer / trl.SFTTrainer given the context-parallel JSON is refused when it is
+# built, naming ContextParallelTrainer (one callback in transformers' default list, added when
+# transformers.trainer is imported; see .trainer_guard)
+_install_trainer_guard()
 
 
 def _needs_deepspeed(fn):

@@ -42,6 +42,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 from .accelerate import enable_accelerate
 from .config import check_requested, load_config, parse_config
 from .initialize import check_model_heads
+from .trainer_guard import building_ours
 from .zero import check_sequence_parallel_settings
 
 __all__ = ["ContextParallelTrainer", "check_training_arguments"]
@@ -99,7 +100,8 @@ class ContextParallelTrainer(Trainer):
         model = kwargs.get("model", args[0] if args else None)
         if model is not None and not isinstance(model, str):
             check_model_heads(model, self.context_parallel)
-        super().__init__(*args, **kwargs)
+        with building_ours():  # the guard on plain Trainers given our JSON lets this one pass
+            super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
