@@ -89,6 +89,14 @@ class CostModel:
         ns = self.ns_per_entry * area * (1 + self.small_rows / rows) + self.call_ns
         return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
 
+    def rect_factors(self, rows: torch.Tensor, keys: torch.Tensor) -> list:
+        """A dense call's time (:meth:`call_tensor`, ``causal=False``) as a sum of products of a
+        function of the rows and one of the keys: ``[(f(rows), g(keys)), ...]`` with
+        ``sum(f * g) == call_tensor(rows, keys, False)`` element by element (broadcast), so that
+        sums of calls over many pairs are matrix products (:func:`~striped_sp.plan.doc_stripes.step_cost`)."""
+        live_r, live_k = (rows >= 1).to(rows.dtype), (keys >= 1).to(keys.dtype)
+        return [(self.ns_per_entry * (rows + self.small_rows) * live_r, keys * live_k), (self.call_ns * live_r, live_k)]
+
     def segments_ns(self, segs) -> float:
         """The summed forward time of a call's band segments
         (:class:`~striped_sp.kernels.segments.Segments`): the exact visible entries of each, plus

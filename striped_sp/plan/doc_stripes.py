@@ -188,10 +188,11 @@ def striped_rows(bounds: tuple, docs: list[int], n_ranks: int, stripe: int) -> t
     return rows[torch.sort(rank, stable=True).indices]
 
 
-def place(bounds: tuple, world_size: int, whole_max: int):
+def place(bounds: tuple, world_size: int, whole_max: int, tables: bool = True):
     """``(tables, kept, split, counts)``: per rank the int64 run table ``[runs, 4]`` (local start,
     first position, count, step 1), the whole documents per rank, the split documents and their
-    per-rank token counts ``counts[i][r]`` (``split[i]``)."""
+    per-rank token counts ``counts[i][r]`` (``split[i]``).  ``tables=False``: ``None`` for the
+    tables (a prediction needs only the counts)."""
     n = world_size
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     local = bounds[-1] // n
@@ -212,6 +213,8 @@ def place(bounds: tuple, world_size: int, whole_max: int):
     split = [d for d, x in enumerate(lengths) if d not in placed and x > 0]
     rooms = [local - sum(lengths[d] for d in kept[r]) for r in range(n)]
     table = _flex_table([lengths[d] for d in split], rooms)  # [split, N]
+    if not tables:
+        return None, kept, split, table.tolist()
     # stripe c of a split document: rank c, then rank 2N - 1 - c (first halves, then second halves back)
     first, second = (table + 1) // 2, table // 2
     dealt = torch.cat([first, second.flip(1)], 1)
@@ -233,11 +236,14 @@ def _halves(counts) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ceil(n / 2), torch.floor(n / 2)
 
 
-def step_cost(bounds: tuple, world_size: int, kept, counts, causal_call, rect_call) -> torch.Tensor:
+def step_cost(bounds: tuple, world_size: int, kept, counts, causal_call, rect_call, rect_factors=None) -> torch.Tensor:
     """``cost[t, r]``: what rank ``r`` does on ring step ``t`` (source ``(r - t) % N``), summed
     over documents: ``causal_call(m)`` for a causal square of ``m`` rows, ``rect_call(rows, keys)``
     for a dense rectangle; both take and return float64 tensors (0 where a size is 0), element
-    by element.
+    by element.  ``rect_factors(rows, keys)``, where given, is ``rect_call`` as a sum of products
+    ``[(f(rows), g(keys)), ...]`` (:meth:`~striped_sp.plan.cost.CostModel.rect_factors`): then the
+    steps ``t > 0`` are three sums of ``[N, docs] x [docs, N]`` products, as in :func:`step_entries`
+    (equal to the loop below up to float64 rounding).
 
     Per step one ``[docs, N]`` sum: on step ``t > 0`` rank ``r``'s second stripe sees the source's
     first, and its first stripe (``r >= t``, the source before it) or second (``r < t``) sees the
@@ -247,12 +253,20 @@ def step_cost(bounds: tuple, world_size: int, kept, counts, causal_call, rect_ca
     cost = torch.zeros(n, n, dtype=torch.float64)
     m = torch.tensor([float(bounds[d + 1] - bounds[d]) for docs in kept for d in docs], dtype=torch.float64)
     whole = torch.split(causal_call(m), [len(docs) for docs in kept])
-    for r in range(n):
-        cost[0, r] += whole[r].sum()
+    cost[0] = torch.stack([w.sum() for w in whole])
     if not counts:
         return cost
     a, b = _halves(counts)  # [docs, N]: first-half and second-half stripe of each rank
     cost[0] += (causal_call(a) + causal_call(b) + rect_call(b, a)).sum(0)
+    if rect_factors is not None:
+        def pairs(rows, keys):  # [r, s]: the rectangles of rows' stripes on r against keys' on s
+            return sum(f.T @ g for f, g in rect_factors(rows, keys))
+
+        r = torch.arange(n)
+        t = torch.arange(1, n)[:, None]
+        s = (r - t) % n
+        cost[1:] = pairs(b, a)[r, s] + torch.where(r >= t, pairs(a, a)[r, s], pairs(b, b)[r, s])
+        return cost
     sizes, index = torch.unique(torch.cat([a, b], 1), return_inverse=True)
     u = len(sizes)
     if u * u <= a.numel():  # every pair of sizes costs less than one step

@@ -108,8 +108,10 @@ def _striped_capacity(bounds, striped, world_size, stripe, local):
     return runs, [local - sum(c for _, c, _ in r) for r in runs]
 
 
-def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int):
-    """``(run tables per rank, whole documents, striped documents, whole entries per rank)``.
+def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int, tables: bool = True):
+    """``(run tables per rank, whole documents, striped documents, whole entries per rank)``
+    (``tables=False``: per rank the ``(first_position, count)`` of the documents placed whole or
+    cut instead of the tables).
 
     Documents of at most ``whole_max`` tokens start out whole; the striped ones fix each rank's
     room.  While a whole candidate is too long to fit (or to cut harmlessly: a cut document's
@@ -158,9 +160,26 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int):
     placed, entries, _ = _assign_whole(bounds, whole, capacity, cut_max)
     whole_set = set(whole)
     striped = [d for d in range(len(lengths)) if d not in whole_set]
+    if not tables:
+        return placed, whole, striped, entries
     placed_rows = torch.tensor([(r, p, c, 1) for r in range(n) for p, c in placed[r]], dtype=torch.int64)
     tables = doc_stripes.run_tables(n, [doc_stripes.striped_rows(bounds, striped, n, stripe), placed_rows])
     return tables, whole, striped, entries
+
+
+def _placed_pieces(bounds: tuple, world_size: int, stripe: int, whole_max: int):
+    """``(pieces, striped)`` of :func:`_place` without its run tables, for predictions: per rank the
+    ``(document, count)`` of the documents placed whole or cut (:func:`_whole_pieces` of the
+    tables, empty pieces left out), and the striped documents."""
+    placed, _, striped, _ = _place(bounds, world_size, stripe, whole_max, tables=False)
+    starts = {b: d for d, b in enumerate(bounds[:-1]) if bounds[d + 1] > b}
+    return [[(_doc_at(bounds, starts, p), c) for p, c in rows if c] for rows in placed], striped
+
+
+def _doc_at(bounds: tuple, starts: dict, pos: int) -> int:
+    """The document holding position ``pos`` (a document's start: a lookup; a cut piece's: a search)."""
+    d = starts.get(pos)
+    return d if d is not None else bisect.bisect_right(bounds, pos) - 1
 
 
 def _whole_pieces(bounds: tuple, tables: list, whole: list) -> list[list[tuple[int, int]]]:
@@ -228,11 +247,11 @@ def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostMod
 
 def _predict_doc(bounds: tuple, world_size: int, whole_max: int, model: CostModel) -> dict:
     """:func:`predict` for per-document stripes: the exact entries of every (step, rank) block."""
-    _, kept, _, counts = doc_stripes.place(bounds, world_size, whole_max)
+    _, kept, _, counts = doc_stripes.place(bounds, world_size, whole_max, tables=False)
     entries = doc_stripes.step_entries(bounds, world_size, kept, counts)
     ideal = float(entries.sum()) / world_size
     balance = float(entries.max(1).values.sum()) / ideal if ideal else 1.0
 
     cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: model.call_tensor(m, m, True),
-                                 lambda q, k: model.call_tensor(q, k, False))
+                                 lambda q, k: model.call_tensor(q, k, False), model.rect_factors)
     return {"balance": balance, "ms": float(cost.max(1).values.sum()) / 1e6}

@@ -69,8 +69,7 @@ def _lengths(bounds: tuple) -> list[int]:
 
 def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False):
     """Per-step forward compute (ns) on the slowest rank and the tokens each rank keeps private."""
-    tables, whole, striped, _ = placement._place(bounds, world_size, stripe, whole_max)
-    pieces = placement._whole_pieces(bounds, tables, whole)
+    pieces, striped = placement._placed_pieces(bounds, world_size, stripe, whole_max)
     lengths = _lengths(bounds)
     if even_only and stripe > 1 and any(lengths[d] < stripe * world_size for d in striped):
         # a document on fewer ranks than N falls unevenly: outside what the model describes
@@ -88,10 +87,10 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
 
 
 def _doc_steps(bounds, world_size, whole_max, model):
-    _, kept, split, counts = doc_stripes.place(bounds, world_size, whole_max)
+    _, kept, split, counts = doc_stripes.place(bounds, world_size, whole_max, tables=False)
     lengths = _lengths(bounds)
     cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: model.call_tensor(m, m, True),
-                                 lambda q, k: model.call_tensor(q, k, False))
+                                 lambda q, k: model.call_tensor(q, k, False), model.rect_factors)
     private = [sum(lengths[d] for d in docs) for docs in kept]
     compute = cost.max(1).values.tolist()
     return (compute if split else compute[:1]), private

@@ -1,0 +1,116 @@
+"""The search's fast predictions (no run tables, dense calls summed as matrix products) give the
+predictions of the full placement: the same pieces, the same step costs up to float64 rounding,
+the same chosen plan."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from striped_sp.plan import doc_stripes, placement, search
+from striped_sp.plan.cost import COST_MODELS, GPU_ARCHS, gpu_model
+
+
+def _models():
+    out = list(COST_MODELS.values())
+    out += [gpu_model(cls, arch) for cls in ("fa2", "fa4", "cudnn") for arch in GPU_ARCHS]
+    return out
+
+
+def _row(rng: random.Random, n: int, per_rank: int) -> tuple:
+    seq, bounds = n * per_rank, [0]
+    while bounds[-1] < seq:
+        length = rng.choice([0, 1, 3, rng.randrange(1, 64), int(rng.lognormvariate(6, 1.2)) + 1])
+        bounds.append(min(seq, bounds[-1] + length))
+    return tuple(bounds)
+
+
+@pytest.mark.parametrize("model", _models(), ids=lambda m: m.name)
+def test_rect_factors_sum_to_the_dense_call(model):
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 3000, (64, 1), generator=gen).double()
+    keys = torch.randint(0, 3000, (1, 64), generator=gen).double()
+    rows[:4], keys[:, :4] = 0.0, 0.0  # empty sides cost nothing
+    total = sum(f * g for f, g in model.rect_factors(rows, keys))
+    torch.testing.assert_close(total, model.call_tensor(rows, keys, False), rtol=1e-12, atol=0)
+
+
+def test_step_cost_by_products_equals_the_loop():
+    rng = random.Random(7)
+    models = _models()
+    for i in range(60):
+        n = rng.choice([1, 2, 3, 4, 8, 16, 64])
+        bounds = _row(rng, n, rng.choice([64, 256, 2048]))
+        local = bounds[-1] // n
+        model = models[i % len(models)]
+        for whole_max in (0, local // 4, local):
+            _, kept, split, counts = doc_stripes.place(bounds, n, whole_max)
+            assert doc_stripes.place(bounds, n, whole_max, tables=False) == (None, kept, split, counts)
+            causal = lambda m: model.call_tensor(m, m, True)  # noqa: E731
+            rect = lambda q, k: model.call_tensor(q, k, False)  # noqa: E731
+            slow = doc_stripes.step_cost(bounds, n, kept, counts, causal, rect)
+            fast = doc_stripes.step_cost(bounds, n, kept, counts, causal, rect, model.rect_factors)
+            torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-6)
+
+
+def test_placed_pieces_equal_the_tables_pieces():
+    rng = random.Random(8)
+    checked = 0
+    for _ in range(120):
+        n = rng.choice([1, 2, 3, 4, 8, 16, 64])
+        bounds = _row(rng, n, rng.choice([64, 256, 2048]))
+        local = bounds[-1] // n
+        for stripe in (1, 8, 64):
+            whole_max = rng.choice([0, 16, local // 4, local])
+            try:
+                tables, whole, striped, _ = placement._place(bounds, n, stripe, whole_max)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    placement._placed_pieces(bounds, n, stripe, whole_max)
+                continue
+            pieces, fast_striped = placement._placed_pieces(bounds, n, stripe, whole_max)
+            assert fast_striped == striped
+            assert pieces == [[(d, c) for d, c in rows if c] for rows in placement._whole_pieces(bounds, tables, whole)]
+            checked += 1
+    assert checked > 100
+
+
+def _slow_prediction(bounds, n, stripe, whole_max, model):
+    """predict_ring's compute per step from the full placement (run tables, the step loop)."""
+    lengths = search._lengths(bounds)
+    if stripe == "doc":
+        _, kept, split, counts = doc_stripes.place(bounds, n, whole_max)
+        cost = doc_stripes.step_cost(bounds, n, kept, counts, lambda m: model.call_tensor(m, m, True),
+                                     lambda q, k: model.call_tensor(q, k, False))
+        compute = cost.max(1).values.tolist()
+        return compute if split else compute[:1]
+    tables, whole, striped, _ = placement._place(bounds, n, stripe, whole_max)
+    pieces = placement._whole_pieces(bounds, tables, whole)
+    whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
+    per_step = sum(placement._striped_doc_ns(model, lengths[d], n, stripe) for d in striped)
+    ring = bool(striped) or any(c != lengths[d] for rows in pieces for d, c in rows)
+    compute = [max(whole_ns) + per_step]
+    if ring and n > 1:
+        compute += [per_step] * (n - 1)
+        compute[1] += placement._cross_entries(pieces) * model.ns_per_entry
+    return compute
+
+
+def test_every_candidate_of_the_search_is_predicted_as_from_the_full_placement():
+    from striped_sp.bench.docs import packed_row, parse_docs
+
+    model = search.model_named(None)
+    for n, seq in ((8, 1 << 15), (64, 1 << 18)):
+        bounds = tuple(packed_row(parse_docs("lognormal:median=600,sigma=1.2"), seq))
+        search._search.cache_clear()
+        chosen, tried = search.search(bounds, n, model)
+        assert len(tried) > 10
+        for p in tried:
+            compute = _slow_prediction(bounds, n, p.stripe_size, p.whole_max, model)
+            assert len(compute) == p.steps
+            torch.testing.assert_close(torch.tensor(p.compute_ms, dtype=torch.float64),
+                                       torch.tensor(compute, dtype=torch.float64) / 1e6, rtol=1e-12, atol=0)
+        assert chosen == min(tried, key=lambda p: (p.ms > min(q.ms for q in tried) / (1 - search.MIN_GAIN),
+                                                     search.preference(p)))
