@@ -258,7 +258,7 @@ class RingRequest:
         if kernel is None:  # by (d, dv): a kernel with MLA shapes of its own (FA4's (192, 128)) is judged on them
             dims = q.size(-1) if q.size(-1) == v.size(-1) else (q.size(-1), v.size(-1))
             kernel = resolve_kernel(self.backend, q.device, q.dtype, dims, deterministic=self.deterministic,
-                                    varlen=mask is not None)
+                                    varlen=mask is not None, gqa=k.size(2) != q.size(2))
         if mask is not None and kernel.varlen_unavailable_reason() is not None:
             what = "cu_seqlens / window_size" + (" under hierarchical CP" if self.hierarchical else "")
             raise ValueError(f"backend {kernel.name!r} cannot run {what}: {kernel.varlen_unavailable_reason()}")

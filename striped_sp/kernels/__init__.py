@@ -57,18 +57,23 @@ register(MathKernel())
 BACKENDS = ("auto", *KERNELS)
 
 
-def available_backends(device: torch.device, dtype: torch.dtype, head_dim=None) -> list[str]:
-    """Names of the kernels that run on ``device`` with ``dtype`` (and ``head_dim``: an int or ``(d, dv)``)."""
-    return [n for n, k in KERNELS.items() if _reason(k, torch.device(device), dtype, head_dim) is None]
+def available_backends(device: torch.device, dtype: torch.dtype, head_dim=None, gqa: bool | None = None) -> list[str]:
+    """Names of the kernels that run on ``device`` with ``dtype`` (and ``head_dim``: an int or
+    ``(d, dv)``; ``gqa``: whether kv heads are fewer than query heads, ``None``: unknown, maybe)."""
+    return [n for n, k in KERNELS.items() if _reason(k, torch.device(device), dtype, head_dim, gqa) is None]
 
 
-def _reason(kernel: Kernel, device, dtype, head_dim) -> str | None:
+def _reason(kernel: Kernel, device, dtype, head_dim, gqa: bool | None = None) -> str | None:
     """``kernel.unavailable_reason`` for the head dims it will be called with: ``(d, dv)`` where it
-    takes v's head dim natively, else the one dim the ring pads both to (their max)."""
+    takes v's head dim natively, else the one dim the ring pads both to (their max); then, unless
+    the calls are known not to be GQA (``gqa=False``), ``kernel.gqa_unavailable_reason``."""
     d, dv = head_dims(head_dim)
     if d is not None and d != dv:
         head_dim = (d, dv) if kernel.native_value_head_dim else max(d, dv)
-    return kernel.unavailable_reason(device, dtype, head_dim)
+    why = kernel.unavailable_reason(device, dtype, head_dim)
+    if why is None and gqa is not False:
+        why = kernel.gqa_unavailable_reason(device, dtype, head_dim)
+    return why
 
 
 def _deterministic_reason(name: str, device: torch.device) -> str | None:
@@ -85,7 +90,7 @@ def _class_rank(kernel: Kernel, device, dtype, head_dim, varlen: bool | None) ->
 
 
 def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim=None,
-                   deterministic: bool = False, varlen: bool | None = None) -> Kernel:
+                   deterministic: bool = False, varlen: bool | None = None, gqa: bool | None = None) -> Kernel:
     """The kernel for ``backend`` on ``device``/``dtype``/``head_dim`` (an int, or ``(d, dv)`` for
     multi-latent attention); ``ValueError`` when unknown or unusable.
 
@@ -95,7 +100,9 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_
     the calls include packed documents or windows (``True``: kernels that cannot run them are passed
     over; ``False``: dense calls only, where cuDNN ranks above flash-attn 2; ``None``, unknown:
     every kernel is ranked by its class for packed calls, where cuDNN's run on the
-    memory-efficient op).  On CUDA the choice and why are logged once.  ``deterministic``: bitwise-reproducible
+    memory-efficient op).  ``gqa``: whether the kv heads are fewer than the query heads (``None``,
+    unknown: a kernel with GQA rules of its own, FA4's SM90 MLA shapes, is judged as if they were).
+    On CUDA the choice and why are logged once.  ``deterministic``: bitwise-reproducible
     backward passes (the ring's own order is fixed; each kernel says whether and how).
     """
     device = torch.device(device)
@@ -103,7 +110,7 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_
         ranked = []
         passed = []
         for i, (name, kernel) in enumerate(KERNELS.items()):
-            why = _reason(kernel, device, dtype, head_dim)
+            why = _reason(kernel, device, dtype, head_dim, gqa)
             if why is None and deterministic:
                 why = kernel.deterministic_reason(device)
             if why is None and varlen is True:
@@ -122,7 +129,7 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_
     if backend not in KERNELS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
     kernel = KERNELS[backend]
-    reason = _reason(kernel, device, dtype, head_dim)
+    reason = _reason(kernel, device, dtype, head_dim, gqa)
     if reason is not None:
         raise ValueError(f"backend {backend!r} is not available: {reason}")
     if deterministic:

@@ -97,6 +97,11 @@ class Kernel:
         ``(d, dv)`` where q/k and v head dims differ, see :func:`head_dims`), else why not."""
         raise NotImplementedError
 
+    def gqa_unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim=None) -> str | None:
+        """Beyond :meth:`unavailable_reason`: why the kernel cannot run calls whose kv heads each serve
+        several query heads (GQA / MQA) with ``head_dim`` on ``device`` (``None``: it can)."""
+        return None
+
     def deterministic_reason(self, device: torch.device) -> str | None:
         """Why this kernel has no deterministic backward on ``device`` (``None``: it has one,
         :meth:`deterministic_variant`)."""

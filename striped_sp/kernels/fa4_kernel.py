@@ -16,9 +16,19 @@ the kernels of the whole process).  What the calls rely on, read in the upstream
   output 0.
 * ``_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=, causal=, window_size_left=,
   window_size_right=, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=,
-  deterministic=)`` -> ``(dq, dk, dv)`` first (kv heads as given, not expanded).  ``deterministic``
-  runs on SM100 only; the SM90 backward takes neither windows nor varlen calls in the releases
-  read, so packed documents and windows need SM100 there.
+  deterministic=)`` -> ``(dq, dk, dv)`` first (kv heads as given, not expanded).
+
+What each architecture runs, read in the releases 4.0.0b5 to 4.0.0b27 (the newest stored; the
+interface and ``flash_bwd_sm90.py``), for the calls the ring makes (:data:`SUPPORT`):
+
+* SM100 (10.x): forward and backward, dense and varlen, causal and windowed, GQA, deterministic;
+  head dims ``(d, dv)`` both multiples of 8 up to 128, or ``(192, 128)``, or ``(256, 256)``.
+* SM90 (9.x): the same calls, varlen and windowed backward included (upstream's SM90 varlen,
+  deterministic and windowed backward landed before 4.0.0b5); head dims 8-256, multiples of 8,
+  ``d != dv`` allowed (MLA's ``(192, 128)``) except in a GQA call's backward (``flash_bwd_sm90``
+  asserts ``head_dim == head_dim_v`` when ``qhead_per_kvhead > 1``); a deterministic GQA backward
+  from 4.0.0b12 (before it, dK/dV of a kv head shared by several query heads were summed with
+  atomics).
 
 The signatures are checked once, by parameter name; a release without one of them is refused
 with its version and :data:`SUPPORTED`.  Imported lazily: ``pip install 'striped_sp[fa4]'``.
@@ -28,12 +38,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 
 import torch
 
 from .base import _HALF_DTYPES, Kernel, head_dims
 
-__all__ = ["FA4Kernel", "SUPPORTED", "MODULE"]
+__all__ = ["FA4Kernel", "SUPPORTED", "SUPPORT", "MODULE", "head_dim_reason", "gqa_head_dim_reason"]
 
 MODULE = "flash_attn.cute.interface"
 DIST = "flash-attn-4"
@@ -64,28 +75,53 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def _current_capability() -> tuple[int, int] | None:
-    """The current CUDA device's capability (``None`` without CUDA): for the questions the
-    interface asks without a device (:meth:`FA4Kernel.varlen_unavailable_reason`)."""
-    return _capability(torch.device("cuda"))
+#: what FA4 runs of the ring's calls, per architecture (read in the upstream source, 4.0.0b5 to
+#: 4.0.0b27): pass -> (varlen, windows, GQA, deterministic); head dims in :func:`head_dim_reason`,
+#: GQA with MLA head dims in :func:`gqa_head_dim_reason`, the deterministic GQA backward on SM90 from
+#: :data:`SM90_DETERMINISTIC_GQA`
+SUPPORT = {
+    (9, "forward"): dict(varlen=True, window=True, gqa=True),
+    (9, "backward"): dict(varlen=True, window=True, gqa=True, deterministic=True),
+    (10, "forward"): dict(varlen=True, window=True, gqa=True),
+    (10, "backward"): dict(varlen=True, window=True, gqa=True, deterministic=True),
+}
+#: the first release whose SM90 GQA backward is deterministic (upstream's semaphores on dK/dV)
+SM90_DETERMINISTIC_GQA = "4.0.0b12"
+
+
+def _release(text: str) -> tuple | None:
+    """``"4.0.0b12"`` -> ``(4, 0, 0, 12)``; a final release sorts after its betas; ``None`` when
+    unreadable (``"unknown"``: no metadata)."""
+    m = re.match(r"^(\d+)\.(\d+)\.(\d+)(?:b(\d+))?", text)
+    if m is None:
+        return None
+    major, minor, patch, beta = m.groups()
+    return int(major), int(minor), int(patch), int(beta) if beta is not None else float("inf")
 
 
 def head_dim_reason(major: int, d: int | None, dv: int | None) -> str | None:
-    """FA4's head dim rules per architecture (``None``: the pair runs): SM90 8-256, multiples of 8,
-    ``d == dv``; SM100 both at most 128 (multiples of 8), or ``(192, 128)`` (DeepSeek's MLA), or
-    ``(256, 256)``."""
+    """FA4's head dim rules per architecture (``None``: the pair runs): SM90 both 8-256, multiples
+    of 8 (``d != dv`` too, but see :func:`gqa_head_dim_reason`); SM100 both 8-128 (multiples of 8),
+    or ``(192, 128)`` (DeepSeek's MLA), or ``(256, 256)``."""
     if d is None:
         return None
     dv = d if dv is None else dv
     if major == 9:
-        if d != dv:
-            return f"FA4 on SM90 needs one head dim for q/k and v, got ({d}, {dv})"
-        if d % 8 or not 8 <= d <= 256:
-            return f"FA4 on SM90 needs head_dim a multiple of 8 in 8-256, got {d}"
+        if d % 8 or dv % 8 or not (8 <= d <= 256 and 8 <= dv <= 256):
+            return f"FA4 on SM90 needs head dims (d, dv) multiples of 8 in 8-256, got ({d}, {dv})"
         return None
-    if (d, dv) in ((192, 128), (256, 256)) or (d <= 128 and dv <= 128 and d % 8 == 0 and dv % 8 == 0 and d and dv):
+    if (d, dv) in ((192, 128), (256, 256)) or (8 <= d <= 128 and 8 <= dv <= 128 and d % 8 == 0 and dv % 8 == 0):
         return None
     return f"FA4 on SM100 needs head dims (d, dv) both multiples of 8 up to 128, or (192, 128), or (256, 256); got ({d}, {dv})"
+
+
+def gqa_head_dim_reason(major: int, d: int | None, dv: int | None) -> str | None:
+    """Why FA4 cannot run a call whose kv heads serve several query heads (GQA / MQA) with head dims
+    ``(d, dv)`` (``None``: it can): SM90's backward asserts ``head_dim == head_dim_v`` then."""
+    if major == 9 and d is not None and dv is not None and d != dv:
+        return (f"FA4's SM90 backward takes GQA calls with one head dim only (flash_bwd_sm90 asserts "
+                f"head_dim == head_dim_v), got ({d}, {dv}) with fewer kv heads than query heads")
+    return None
 
 
 class FA4Kernel(Kernel):
@@ -95,11 +131,11 @@ class FA4Kernel(Kernel):
     capability 9.x or 10.x, float16 or bfloat16."""
 
     name = "fa4"
-    #: v's head dim may differ from q/k's (MLA: (192, 128) on SM100): no padding on the ring
+    #: v's head dim may differ from q/k's (MLA: (192, 128)): no padding on the ring
     native_value_head_dim = True
 
     def __init__(self, deterministic: bool = False):
-        #: FA4's deterministic backward (SM100): no atomic adds into dq / dk / dv
+        #: FA4's deterministic backward (SM90 and SM100): no atomic adds into dq / dk / dv
         self.deterministic = deterministic
         self._fns = None  # (fwd, bwd) once their signatures are checked
 
@@ -144,10 +180,17 @@ class FA4Kernel(Kernel):
             return str(e)
         return None
 
+    def gqa_unavailable_reason(self, device, dtype, head_dim=None):
+        cap = _capability(torch.device(device))
+        return None if cap is None else gqa_head_dim_reason(cap[0], *head_dims(head_dim))
+
     def deterministic_reason(self, device):
         cap = _capability(torch.device(device))
-        if cap is not None and cap[0] != 10:
-            return f"FA4's deterministic backward runs on SM100 only, got compute capability {cap[0]}.{cap[1]}"
+        if cap is not None and cap[0] == 9:
+            have, need = _release(installed_version()), _release(SM90_DETERMINISTIC_GQA)
+            if have is not None and have < need:
+                return (f"FA4's deterministic backward on SM90 needs flash-attn-4 >= {SM90_DETERMINISTIC_GQA} "
+                        f"(before it a GQA backward sums dK/dV with atomics), installed {installed_version()}")
         return None
 
     def deterministic_variant(self):
@@ -158,13 +201,6 @@ class FA4Kernel(Kernel):
 
     def causal_alignment(self, device, dtype, head_dim=None):
         return "bottom_right"
-
-    def varlen_unavailable_reason(self):
-        cap = _current_capability()
-        if cap is not None and cap[0] == 9:
-            return ("FA4's SM90 backward takes no varlen or windowed call (flash_attn.cute.interface asserts it): "
-                    "packed documents and windows need SM100, or backend 'flash_attn' / 'torch'")
-        return None
 
     def native_varlen(self, device, dtype, head_dim=None) -> bool:
         return True

@@ -19,7 +19,8 @@ never from ``striped_sp``'s kernel:
   head dim (out ``[.., h, dv]``);
 * its asserts: fp16/bf16 inputs of one dtype, the shapes, int32 contiguous ``cu_seqlens`` of
   ``batch + 1``, kv heads dividing heads, head dims multiples of 8 up to 256, per architecture
-  SM100's (d, dv) rules, SM90's backward without windows, varlen or ``deterministic``; lse / out /
+  SM100's (d, dv) rules, SM90's GQA backward with one head dim (``flash_bwd_sm90``; windows, varlen
+  and ``deterministic`` run on SM90 from 4.0.0b5, the first release supported); lse / out /
   dout of the backward exactly as the forward returns them.  ``max_seqlen_*`` below a segment's
   length is refused too (the kernels size their tiles by it).
 
@@ -183,10 +184,8 @@ class FA4Double:
         varlen = a["cu_seqlens_q"] is not None
         self._check_common(a, varlen)
         q, k, v = a["q"], a["k"], a["v"]
-        if self.arch == 90:
-            assert a["window_size_left"] is None and a["window_size_right"] is None, "local not supported yet on 9.x"
-            assert not varlen, "varlen backward is not yet supported on sm90"
-            assert a["deterministic"] is False, "bwd deterministic only supported for sm100/sm110 for now"
+        if self.arch == 90 and q.size(-2) != k.size(-2):
+            assert q.size(-1) == v.size(-1), "GQA backward requires head_dim == head_dim_v"
         assert isinstance(a["deterministic"], bool)
         h, dv = q.size(-2), v.size(-1)
         rows = q.shape[:-2]

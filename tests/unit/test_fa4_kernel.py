@@ -39,6 +39,8 @@ def fa4(monkeypatch):
 
     def install(cap=(10, 0), **kwargs):
         monkeypatch.setattr(fa4_mod, "_capability", lambda device: cap if torch.device(device).type == "cuda" else None)
+        for shared in (kernels.KERNELS["fa4"], fa4_mod._DETERMINISTIC):  # read this double's interface
+            monkeypatch.setattr(shared, "_fns", None)
         return install_fa4(monkeypatch, arch=cap[0] * 10, **kwargs)
 
     return install
@@ -144,7 +146,8 @@ def test_varlen_against_float64(fa4, dims, segs, windows):
 
 @pytest.mark.parametrize("cap, dtype, dims, ok", [
     ((9, 0), torch.bfloat16, 64, True), ((9, 0), torch.bfloat16, 256, True), ((9, 0), torch.float16, 8, True),
-    ((9, 0), torch.bfloat16, 12, False), ((9, 0), torch.bfloat16, 264, False), ((9, 0), torch.bfloat16, (192, 128), False),
+    ((9, 0), torch.bfloat16, 12, False), ((9, 0), torch.bfloat16, 264, False), ((9, 0), torch.bfloat16, (192, 128), True),
+    ((9, 0), torch.bfloat16, (256, 96), True), ((9, 0), torch.bfloat16, (192, 260), False),
     ((10, 0), torch.bfloat16, 128, True), ((10, 0), torch.bfloat16, (192, 128), True),
     ((10, 0), torch.bfloat16, (256, 256), True), ((10, 0), torch.bfloat16, 192, False),
     ((10, 0), torch.bfloat16, (128, 192), False), ((10, 0), torch.bfloat16, 160, False),
@@ -178,36 +181,60 @@ def test_interface_checked_once_naming_the_version(fa4, monkeypatch):
         resolve_kernel("fa4", CUDA, torch.bfloat16, 64)
 
 
-def test_deterministic_on_sm100_only(fa4):
-    double = fa4((10, 0), fp32=True)
+def test_gqa_with_mla_head_dims_not_on_sm90(fa4):
+    """SM90's backward takes GQA calls with one head dim only: (192, 128) runs there without GQA
+    (known: ``gqa=False``), is refused with GQA or when unknown; SM100 takes it either way."""
+    fa4((9, 0))
+    assert resolve_kernel("fa4", CUDA, torch.bfloat16, (192, 128), gqa=False).name == "fa4"
+    for gqa in (True, None):
+        with pytest.raises(ValueError, match="head_dim == head_dim_v"):
+            resolve_kernel("fa4", CUDA, torch.bfloat16, (192, 128), gqa=gqa)
+    assert resolve_kernel("fa4", CUDA, torch.bfloat16, 128, gqa=True).name == "fa4"
+    fa4((10, 0))
+    assert resolve_kernel("fa4", CUDA, torch.bfloat16, (192, 128), gqa=True).name == "fa4"
+
+
+@pytest.mark.parametrize("cap, version, ok", [((10, 0), "4.0.0b5", True), ((9, 0), "4.0.0b36", True),
+                                              ((9, 0), "4.0.0b12", True), ((9, 0), "4.0.0b8", False),
+                                              ((9, 0), "unknown", True)])
+def test_deterministic_backward(fa4, monkeypatch, cap, version, ok):
+    """FA4's deterministic backward: SM100, and SM90 from 4.0.0b12 (before it SM90's GQA backward
+    summed dK/dV with atomics); the refusal names the installed release."""
+    double = fa4(cap, fp32=True)
+    monkeypatch.setattr(fa4_mod, "installed_version", lambda: version)
+    if not ok:
+        with pytest.raises(ValueError, match=f"4.0.0b12.*{version}"):
+            resolve_kernel("fa4", CUDA, torch.bfloat16, 64, deterministic=True)
+        return
     kernel = resolve_kernel("fa4", CUDA, torch.bfloat16, 64, deterministic=True)
     assert kernel.name == "fa4" and kernel.deterministic
     q, k, v, do = _inputs(4, 2, 64, 64, torch.float32, seed=1)
     out, lse = kernel.forward(q, k, v, True, SCALE)
     kernel.backward(do, q, k, v, out, lse, True, SCALE)
     assert double.calls[-1][1]["deterministic"] is True
-    fa4((9, 0))
-    with pytest.raises(ValueError, match="SM100 only"):
-        resolve_kernel("fa4", CUDA, torch.bfloat16, 64, deterministic=True)
 
 
-@pytest.mark.parametrize("cap, varlen, want", [((9, 0), False, "fa4"), ((10, 0), None, "fa4"), ((10, 0), True, "fa4"),
-                                               ((9, 0), True, "torch"), ((8, 0), None, "torch")])
-def test_auto_picks_fa4_where_it_runs(fa4, monkeypatch, caplog, cap, varlen, want):
-    """auto on CUDA: FA4 on SM90 / SM100 (SM90 not for packed or windowed calls, whose backward
-    FA4 does not run there), else the next class; one log line with the choice and why."""
+@pytest.mark.parametrize("cap, varlen, dims, gqa, want", [
+    ((9, 0), False, 64, None, "fa4"), ((10, 0), None, 64, None, "fa4"), ((10, 0), True, 64, True, "fa4"),
+    ((9, 0), True, 64, True, "fa4"), ((9, 0), True, (192, 128), False, "fa4"), ((9, 0), True, (192, 128), True, "torch"),
+    ((8, 0), None, 64, None, "torch")])
+def test_auto_picks_fa4_where_it_runs(fa4, monkeypatch, caplog, cap, varlen, dims, gqa, want):
+    """auto on CUDA: FA4 on SM90 / SM100 for dense, packed and windowed calls (SM90's varlen and
+    windowed backward from 4.0.0b5), MLA's (192, 128) on SM90 without GQA only, else the next
+    class; one log line with the choice and why."""
     fa4(cap)
-    monkeypatch.setattr(fa4_mod, "_current_capability", lambda: cap)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels, "_SAID", set())
     with caplog.at_level(logging.INFO, logger="striped_sp.kernels"):
-        kernel = resolve_kernel("auto", CUDA, torch.bfloat16, 64, varlen=varlen)
+        kernel = resolve_kernel("auto", CUDA, torch.bfloat16, dims, varlen=varlen, gqa=gqa)
     assert kernel.name == want
     lines = [r.getMessage() for r in caplog.records if r.name == "striped_sp.kernels"]
     assert len(lines) == 1 and f"'{want}'" in lines[0] and "fastest class" in lines[0]
     if want != "fa4":
         assert "fa4:" in lines[0]  # why FA4 was passed over
+    if gqa and dims == (192, 128):
+        assert "head_dim == head_dim_v" in lines[0]
 
 
 def test_auto_prices_cudnn_for_dense_calls_only(monkeypatch):
