@@ -29,6 +29,10 @@ Refused with a ``ValueError`` naming the setting (at construction, before any co
 transformers 5; the loader's sampler is a data-parallel ``DistributedSampler``),
 ``parallelism_config`` with ``sp_size``/``cp_size``/``tp_size > 1``, and what :func:`.parse_config`
 and :func:`.check_sequence_parallel_settings` refuse.
+
+A plain ``transformers.Trainer`` given the same JSON is refused when it is built, naming this class
+(:mod:`.trainer_guard`, installed by ``import striped_sp.deepspeed``); ``__init__`` here runs under
+:func:`.trainer_guard.building_ours`, so this class and its subclasses pass.
 """
 
 from __future__ import annotations

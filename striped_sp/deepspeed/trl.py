@@ -15,7 +15,8 @@ that path runs torch's ``context_parallel`` SDPA, which drops the attention mask
 documents would see each other.  Our route keeps the documents apart (the global ``cu_seq_lens``
 go to every attention layer, see :mod:`.packed`), so that refusal does not concern it, and it
 never fires here: ``parallelism_config`` stays unset (:func:`.check_training_arguments` refuses
-``cp_size``/``sp_size > 1``).  A *plain* ``SFTTrainer`` with our JSON would not shard at all;
+``cp_size``/``sp_size > 1``).  A *plain* ``SFTTrainer`` with our JSON would not shard at all
+(it is refused when built, naming this class: :mod:`.trainer_guard`);
 :class:`~.trainer.ContextParallelTrainer` (the loaders, the engine, the loss scale) supplies that.
 
 What is left for this class: TRL computes its loss from the fused LM head's per-token
