@@ -34,12 +34,10 @@ KERNEL_CLASSES = {"flash_attn": "fa2", "torch": "torch_flash", "torch_cudnn": "c
 
 def kernel_class_of(backend: str, arch: str, varlen: bool) -> str:
     """The kernel class ``backend`` runs as on ``arch`` in predict mode (``auto``: :data:`AUTO_ORDER`'s
-    first that runs there: FA4 on H100/H800/H200 dense calls and on B200, else FA2; cuDNN's packed
-    calls run on the memory-efficient op)."""
+    first that runs there: FA4 on H100/H800/H200 and B200, packed and windowed calls too (FA4's SM90
+    varlen backward from 4.0.0b5), else FA2; cuDNN's packed calls run on the memory-efficient op)."""
     if backend == "auto":
-        if arch == "B200" or (arch != "A100" and not varlen):
-            return "fa4"
-        return "fa2"
+        return "fa2" if arch == "A100" else "fa4"
     cls = KERNEL_CLASSES.get(backend, backend)
     return "efficient" if cls == "cudnn" and varlen else cls
 

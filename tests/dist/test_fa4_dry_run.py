@@ -15,17 +15,22 @@ varlen calls on SM100 (and, before the fix, on SM90 where FA4's varlen backward 
 from __future__ import annotations
 
 import collections
+import pathlib
+import sys
 
-import pytest
-import torch
+if __name__ == "__main__":  # run as a script (the report of the counts): tests/support on the path, as under pytest
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))
 
-import striped_sp.kernels as kernels
-import striped_sp.kernels.fa4_kernel as fa4_mod
-from fa4_shapes import install_fa4_shapes
-from striped_sp.bench.overhead import CudaBranch, HostWork
-from striped_sp.engine import local
-from striped_sp.engine.step import head_splits
-from striped_sp.kernels.base import Kernel
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import striped_sp.kernels as kernels  # noqa: E402
+import striped_sp.kernels.fa4_kernel as fa4_mod  # noqa: E402
+from fa4_shapes import install_fa4_shapes  # noqa: E402
+from striped_sp.bench.overhead import CudaBranch, HostWork  # noqa: E402
+from striped_sp.engine import local  # noqa: E402
+from striped_sp.engine.step import head_splits  # noqa: E402
+from striped_sp.kernels.base import Kernel  # noqa: E402
 
 N, PER_RANK = 4, 32
 SEQ = N * PER_RANK
@@ -84,10 +89,9 @@ class KernelCalls:
         return wrapper
 
 
-@pytest.fixture
-def gpu(monkeypatch):
-    """A fake GPU of compute capability ``arch`` // 10 with FA4 installed (shape-only) and PyTorch's
-    CUDA flash op present; returns the FA4 stand-in and the per-class call counter."""
+def _fake_gpu(monkeypatch):
+    """``make(arch)``: a fake GPU of compute capability ``arch`` // 10 with FA4 installed (shape-only)
+    and PyTorch's CUDA flash op present; returns the FA4 stand-in and the per-class call counter."""
 
     def make(arch: int):
         monkeypatch.setattr(fa4_mod, "_capability", lambda device: (arch // 10, 0))
@@ -100,6 +104,11 @@ def gpu(monkeypatch):
     return make
 
 
+@pytest.fixture
+def gpu(monkeypatch):
+    return _fake_gpu(monkeypatch)
+
+
 def _step(args, shape, plans=None):
     h, kvh, d, dv = shape
     q = torch.empty(1, SEQ, h, d, dtype=torch.bfloat16, device="meta")
@@ -109,33 +118,45 @@ def _step(args, shape, plans=None):
     return local.simulate(q, k, v, N, do, plans=plans, **args)
 
 
-@pytest.mark.parametrize("row, shape", ROWS, ids=[f"{r}-{s}" for r, s in ROWS])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
-def test_every_call_of_a_training_step_runs_on_fa4(gpu, arch, layout, row, shape):
-    fa4, calls = gpu(arch)
+def training_step_counts(fake_gpu, arch: int, layout: str, row: str, shape: str) -> dict:
+    """One training step's dry run on ``fake_gpu(arch)``, then the batch's next layer counted: its
+    attention calls per kernel class (``classes``), FA4's per pass and kind (``fa4``), the forward
+    launches its plans say (``planned``), the masked flag, aten attention ops, host-to-device copies
+    and synchronisations of the next layer, and the first layer's copies and syncs."""
+    fa4, calls = fake_gpu(arch)
     args, dims = _args(layout, row), SHAPES[shape]
     with HostWork() as first:
         sim = _step(args, dims)
     plans = sim.plans[0]
-    masked = plans[0].masked
-    assert first.copies == (N if masked else 0) and not first.syncs, (first.copies, first.syncs)
     fa4.count.clear()
     calls.count.clear()
     with HostWork() as later:  # the batch's next layer: its plans as built
         _step(args, dims, plans=sim.plans)
-    assert set(calls.count) == {"fa4"}, dict(calls.count)  # 0 calls on any other class
-    assert sum(later.kernels.values()) == 0  # no aten attention op (PyTorch's flash / efficient / cuDNN)
-    assert later.copies == 0 and not later.syncs, (later.copies, later.syncs)
-    fwd = sum(c for (p, _), c in fa4.count.items() if p == "forward")
-    bwd = sum(c for (p, _), c in fa4.count.items() if p == "backward")
-    planned = sum(p.launches(t) for p in plans for t in range(p.steps))
-    assert fwd == planned > 0, (fwd, planned)
-    halves = 1 if masked else len(head_splits(dims[0], dims[1]))  # dense backward calls in head halves
-    assert bwd == planned * halves, (bwd, planned, halves)
-    assert calls.count["fa4"] == fwd + bwd
+    return {"classes": dict(calls.count), "fa4": dict(fa4.count), "masked": plans[0].masked,
+            "planned": sum(p.launches(t) for p in plans for t in range(p.steps)),
+            "aten_attention_ops": sum(later.kernels.values()), "copies": later.copies,
+            "syncs": sum(later.syncs.values()), "first_copies": first.copies, "first_syncs": sum(first.syncs.values())}
+
+
+@pytest.mark.parametrize("row, shape", ROWS, ids=[f"{r}-{s}" for r, s in ROWS])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
+def test_every_call_of_a_training_step_runs_on_fa4(gpu, arch, layout, row, shape):
+    got = training_step_counts(gpu, arch, layout, row, shape)
+    masked = got["masked"]
+    assert got["first_copies"] == (N if masked else 0) and got["first_syncs"] == 0, got
+    assert set(got["classes"]) == {"fa4"}, got["classes"]  # 0 calls on any other class
+    assert got["aten_attention_ops"] == 0  # no aten attention op (PyTorch's flash / efficient / cuDNN)
+    assert got["copies"] == 0 and got["syncs"] == 0, got
+    fwd = sum(c for (p, _), c in got["fa4"].items() if p == "forward")
+    bwd = sum(c for (p, _), c in got["fa4"].items() if p == "backward")
+    assert fwd == got["planned"] > 0, got
+    heads, kv_heads = SHAPES[shape][:2]
+    halves = 1 if masked else len(head_splits(heads, kv_heads))  # dense backward calls in head halves
+    assert bwd == got["planned"] * halves, (got, halves)
+    assert got["classes"]["fa4"] == fwd + bwd
     if masked:  # packed documents, windows and stripe=doc's rows: FA4's varlen calls in both passes
-        assert fa4.count[("forward", "varlen")] and fa4.count[("backward", "varlen")], dict(fa4.count)
+        assert got["fa4"].get(("forward", "varlen")) and got["fa4"].get(("backward", "varlen")), got
 
 
 @pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
@@ -160,3 +181,27 @@ def test_gqa_with_mla_head_dims_falls_back_on_sm90_only(gpu):
     fa4, calls = gpu(100)
     _step(args, SHAPES["gqa-mla"])
     assert set(calls.count) == {"fa4"} and fa4.calls, dict(calls.count)
+
+
+def _report() -> None:
+    """Print the counts of every (architecture, layout, row) of the test: ``python tests/dist/test_fa4_dry_run.py``."""
+    rows, total = [], collections.Counter()
+    for arch in (90, 100):
+        for layout in LAYOUTS:
+            for row, shape in ROWS:
+                with pytest.MonkeyPatch.context() as mp:
+                    got = training_step_counts(_fake_gpu(mp), arch, layout, row, shape)
+                other = sum(c for cls, c in got["classes"].items() if cls != "fa4")
+                total.update({"fa4": got["classes"].get("fa4", 0), "other": other, "copies": got["copies"],
+                              "syncs": got["syncs"]})
+                rows.append(f"sm{arch:<4} {layout:<19} {row + '/' + shape:<18} {got['classes'].get('fa4', 0):>5} "
+                            f"{other:>6} {got['copies']:>6} {got['syncs']:>6}")
+    print(f"one training step (fwd+bwd), N={N}, {SEQ} tokens, bf16, backend auto, FA4 present (dry run, meta)\n"
+          f"{'arch':<6} {'layout':<19} {'row':<18} {'fa4':>5} {'other':>6} {'h2d':>6} {'syncs':>6}  (the layer after the first)")
+    print("\n".join(rows))
+    print(f"total: {total['fa4']} calls on FA4, {total['other']} on other classes, {total['copies']} host-to-device "
+          f"copies, {total['syncs']} synchronisations")
+
+
+if __name__ == "__main__":
+    _report()

@@ -307,3 +307,13 @@ def test_torch_kernel_asks_the_flash_registry(monkeypatch, caplog, impl, cap, wa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert kernel.kernel_class(CUDA, torch.bfloat16, 64) == {"flash": "fa3" if impl == "FA3" else "torch_flash",
                                                               "efficient": "efficient"}[want]
+
+
+def test_predict_mode_prices_fa4_for_packed_calls_on_hopper():
+    """``bench sim --predict``'s auto: FA4 on H100 / H200 / B200 for packed and windowed calls too
+    (SM90's varlen backward from 4.0.0b5), FA2 on A100."""
+    from striped_sp.bench.predict import kernel_class_of
+
+    for arch in ("H100", "H800", "H200", "B200"):
+        assert kernel_class_of("auto", arch, True) == kernel_class_of("auto", arch, False) == "fa4"
+    assert kernel_class_of("auto", "A100", True) == "fa2"
