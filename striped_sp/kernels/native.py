@@ -222,23 +222,37 @@ def native_programs(calls: list, b: int, nq: int, nk: int, arena: Arena, launch_
 
 def _parts(g_of, call_e, lens_q, starts, groups: int) -> list:
     """Per group, the ``(offset, count)`` of its output rows per part (a call, or a call's
-    unfolded triangles) when its query rows repeat, else ``()``: one merge."""
+    unfolded triangles) when its query rows repeat, else ``()``: one merge.  Entries (int64, in
+    entry order: a group's back to back) give their group, part, rows and first row; rows repeat
+    where two of a group's ranges overlap, found on the ranges sorted by start (no row expanded)."""
     out = [()] * groups
-    if g_of.numel() == 0 or bool((call_e[1:] == call_e[:-1])[g_of[1:] == g_of[:-1]].all()):
-        return out  # every group one call's
-    for g in torch.unique(g_of).tolist():
-        sel = g_of == g
-        calls_g, lens_g = call_e[sel], lens_q[sel]
-        if bool((calls_g == calls_g[0]).all()):
-            continue
-        rows = _ranges(starts[sel], lens_g)
-        if torch.unique(rows).numel() == rows.numel():
-            continue  # distinct rows: one merge
-        firsts, counts = torch.unique_consecutive(calls_g, return_counts=True)
-        rows_per = torch.zeros(firsts.numel(), dtype=torch.int64).index_add_(
-            0, torch.repeat_interleave(torch.arange(firsts.numel()), counts), lens_g)
-        offsets = torch.cumsum(rows_per, 0) - rows_per
-        out[g] = tuple(zip(offsets.tolist(), rows_per.tolist()))
+    if g_of.numel() == 0:
+        return out
+    same = g_of[1:] == g_of[:-1]
+    multi = torch.zeros(groups, dtype=torch.bool)
+    multi[g_of[1:][same & (call_e[1:] != call_e[:-1])]] = True  # groups of more than one part
+    if not bool(multi.any()):
+        return out
+    live = multi[g_of] & (lens_q > 0)
+    g, start, end = g_of[live], starts[live], (starts + lens_q)[live]
+    span = int(end.max()) + 1  # a group's ranges sorted by start, each group above the ones before
+    order = torch.argsort(g * span + start)
+    g, start, end = g[order], start[order] + g[order] * span, end[order] + g[order] * span
+    reach = torch.cummax(end, 0).values  # the furthest row reached so far, within the group
+    repeats = torch.zeros(groups, dtype=torch.bool)
+    repeats[g[1:][start[1:] < reach[:-1]]] = True
+    if not bool(repeats.any()):
+        return out
+    # per group, its runs of one part in entry order and their rows
+    run_start = torch.ones_like(g_of, dtype=torch.bool)
+    run_start[1:] = ~same | (call_e[1:] != call_e[:-1])
+    run = torch.cumsum(run_start, 0) - 1
+    rows_per = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).index_add_(0, run, lens_q)
+    run_group = g_of[run_start]
+    for grp in repeats.nonzero().flatten().tolist():
+        counts = rows_per[run_group == grp]
+        offsets = torch.cumsum(counts, 0) - counts
+        out[grp] = tuple(zip(offsets.tolist(), counts.tolist()))
     return out
 
 
@@ -428,12 +442,7 @@ def _group_rows(starts, lens, g_of, sizes, totals, arena, rev=None) -> list:
             out[g] = ((a, n), None)
     if bool(broken.any()):
         sel = broken[g_of]
-        rows = _ranges(starts[sel], lens[sel])
-        if rev is not None and bool(rev[sel].any()):  # row j of a reversed entry: start + len - 1 - j
-            r_lens, r_rev, r_starts = lens[sel], rev[sel], starts[sel]
-            entry = torch.repeat_interleave(torch.arange(r_lens.numel()), r_lens)
-            flip = r_rev[entry]
-            rows = torch.where(flip, 2 * r_starts[entry] + r_lens[entry] - 1 - rows, rows)
+        rows = _ranges(starts[sel], lens[sel], rev[sel] if rev is not None else None)
         tot = torch.where(broken, totals, torch.zeros_like(totals))
         at = (torch.cumsum(tot, 0) - tot).tolist()
         parent = arena.add(rows)

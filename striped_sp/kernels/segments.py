@@ -100,15 +100,25 @@ def _band_entries(lq, lk, lo, hi) -> torch.Tensor:
     return torch.clamp(total(hi_c + 1) - total(lo_c), min=0)
 
 
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated ``arange(s, s + l)`` for every (s, l)."""
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor, reverse: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenated ``arange(s, s + l)`` for every (s, l) (int64); where ``reverse`` (bool per
+    segment) is set, that segment's range backwards, ``s + l - 1`` down to ``s``."""
     total = int(lengths.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.int64)
     # row j of segment t is starts[t] + (j - offs[t]): one repeat of the per-segment shift, in
     # int32 where the rows fit (its repeat_interleave runs several times faster than int64's)
-    shift = starts - (torch.cumsum(lengths, 0) - lengths)
+    offs = torch.cumsum(lengths, 0) - lengths
     small = total < 2**31 and bool(((starts >= 0) & (starts + lengths < 2**31)).all())
     dtype = torch.int32 if small else torch.int64
-    rows = torch.arange(total, dtype=dtype) + torch.repeat_interleave(shift.to(dtype), lengths, output_size=total)
-    return rows.long()
+    if reverse is None or not bool(reverse.any()):
+        shift = starts - offs
+        return (torch.arange(total, dtype=dtype) + torch.repeat_interleave(shift.to(dtype), lengths,
+                                                                          output_size=total)).long()
+    # backwards: row j is (s + l - 1 + offs) - j; the sign per row is a cumulative sum of its changes
+    # at the segments' starts (no second repeat)
+    shift = torch.where(reverse, starts + lengths - 1 + offs, starts - offs).to(dtype)
+    flip = reverse.to(dtype)
+    change = torch.zeros(total + 1, dtype=dtype).index_add_(0, offs, torch.diff(flip, prepend=flip[:1] * 0))
+    sign = 1 - 2 * torch.cumsum(change[:-1], 0, dtype=dtype)
+    return (torch.arange(total, dtype=dtype) * sign + torch.repeat_interleave(shift, lengths, output_size=total)).long()

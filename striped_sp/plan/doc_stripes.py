@@ -103,6 +103,14 @@ def _flex_table(lengths: list[int], rooms: list[int]) -> torch.Tensor:
                 heap = [-(x * n + n - 1 - r) for r, x in enumerate(s)]
             else:
                 heap = [x * n + r for r, x in enumerate(s) if row[r] > 0]
+        if 0 < short <= len(heap):
+            first = sorted(heap)[:short]
+            if first[0] + n > first[-1]:  # no rank picked twice: the `short` most in need, one token each
+                for key in first:
+                    dev[(n - 1 - (-key) % n)] += n
+                high = max(dev)
+                devs.append(dev)
+                continue
         heapify(heap)
         if short > 0:  # a token more where the most is still needed (ties: lower rank)
             for _ in range(short):
@@ -125,6 +133,21 @@ def _flex_table(lengths: list[int], rooms: list[int]) -> torch.Tensor:
     ends = cum[:-1] + torch.div(dev.view(-1, n), n, rounding_mode="floor")
     ends = torch.cat([ends, room[None]])  # the last row takes what every rank still needs
     return torch.diff(ends, dim=0, prepend=torch.zeros(1, n, dtype=torch.int64))
+
+
+def _floor_table(lengths: list[int], rooms: list[int]) -> torch.Tensor:
+    """:func:`_flex_table` before its fix-up (int64 ``[docs, N]``): the differences of the
+    cumulative floors, each entry within a token of the share ``lengths[d] * rooms[r] / total``
+    (columns sum to the rooms, rows may miss their length by under ``N`` tokens).  For a coarse
+    prediction only: no Python loop over documents."""
+    n = len(rooms)
+    total = sum(lengths)
+    if not lengths or not total:
+        return torch.zeros(len(lengths), n, dtype=torch.int64)
+    room = torch.tensor(rooms, dtype=torch.int64)
+    cum = torch.div(torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)[:, None] * room, total,
+                    rounding_mode="floor")
+    return torch.diff(cum, dim=0, prepend=torch.zeros(1, n, dtype=torch.int64))
 
 
 def _flex_counts(lengths: list[int], rooms: list[int]) -> list[list[int]]:
@@ -188,11 +211,12 @@ def striped_rows(bounds: tuple, docs: list[int], n_ranks: int, stripe: int) -> t
     return rows[torch.sort(rank, stable=True).indices]
 
 
-def place(bounds: tuple, world_size: int, whole_max: int, tables: bool = True):
+def place(bounds: tuple, world_size: int, whole_max: int, tables: bool = True, coarse: bool = False):
     """``(tables, kept, split, counts)``: per rank the int64 run table ``[runs, 4]`` (local start,
     first position, count, step 1), the whole documents per rank, the split documents and their
     per-rank token counts ``counts[i][r]`` (``split[i]``).  ``tables=False``: ``None`` for the
-    tables (a prediction needs only the counts)."""
+    tables, and the counts as the int64 tensor ``[split, N]`` (a prediction needs only those);
+    ``coarse`` (with ``tables=False``): counts of :func:`_floor_table`, not the placement's own."""
     n = world_size
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     local = bounds[-1] // n
@@ -212,9 +236,11 @@ def place(bounds: tuple, world_size: int, whole_max: int, tables: bool = True):
     placed = {d for rank_docs in kept for d in rank_docs}
     split = [d for d, x in enumerate(lengths) if d not in placed and x > 0]
     rooms = [local - sum(lengths[d] for d in kept[r]) for r in range(n)]
+    if coarse and not tables:
+        return None, kept, split, _floor_table([lengths[d] for d in split], rooms)
     table = _flex_table([lengths[d] for d in split], rooms)  # [split, N]
     if not tables:
-        return None, kept, split, table.tolist()
+        return None, kept, split, table
     # stripe c of a split document: rank c, then rank 2N - 1 - c (first halves, then second halves back)
     first, second = (table + 1) // 2, table // 2
     dealt = torch.cat([first, second.flip(1)], 1)
@@ -230,6 +256,11 @@ def place(bounds: tuple, world_size: int, whole_max: int, tables: bool = True):
 
 
 def _halves(counts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split document's first-half and second-half stripe per rank (float64 ``[docs, N]``) of
+    ``counts`` (lists, or an int64 tensor ``[docs, N]``)."""
+    if isinstance(counts, torch.Tensor):
+        n = counts.to(torch.float64)
+        return torch.ceil(n / 2), torch.floor(n / 2)
     flat = array.array("q", itertools.chain.from_iterable(counts))
     n = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.zeros(0, dtype=torch.int64)
     n = n.to(torch.float64).view(-1, len(counts[0]) if counts else 0)
@@ -252,9 +283,13 @@ def step_cost(bounds: tuple, world_size: int, kept, counts, causal_call, rect_ca
     n = world_size
     cost = torch.zeros(n, n, dtype=torch.float64)
     m = torch.tensor([float(bounds[d + 1] - bounds[d]) for docs in kept for d in docs], dtype=torch.float64)
-    whole = torch.split(causal_call(m), [len(docs) for docs in kept])
-    cost[0] = torch.stack([w.sum() for w in whole])
-    if not counts:
+    sizes = [len(docs) for docs in kept]
+    if rect_factors is not None:  # a prediction: one sum per rank (in another order than the loop's)
+        cost[0].index_add_(0, torch.repeat_interleave(torch.arange(n), torch.tensor(sizes, dtype=torch.int64)),
+                           causal_call(m))
+    else:
+        cost[0] = torch.stack([w.sum() for w in torch.split(causal_call(m), sizes)])
+    if len(counts) == 0:
         return cost
     a, b = _halves(counts)  # [docs, N]: first-half and second-half stripe of each rank
     cost[0] += (causal_call(a) + causal_call(b) + rect_call(b, a)).sum(0)
@@ -310,7 +345,7 @@ def step_entries(bounds: tuple, world_size: int, kept, counts) -> torch.Tensor:
     m = torch.tensor([float(bounds[d + 1] - bounds[d]) for docs in kept for d in docs], dtype=torch.float64)
     rank = torch.repeat_interleave(torch.arange(n), torch.tensor([len(docs) for docs in kept], dtype=torch.int64))
     cost[0].index_add_(0, rank, m * (m + 1) / 2)
-    if not counts:
+    if len(counts) == 0:
         return cost
     a, b = _halves(counts)
     cost[0] += (a * (a + 1) / 2 + b * (b + 1) / 2 + a * b).sum(0)

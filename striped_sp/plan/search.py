@@ -43,6 +43,11 @@ _log = logging.getLogger("striped_sp.plan.search")
 MIN_GAIN = 0.01
 #: the shortest ``whole_max`` tried after 0 (shorter documents are too few entries to matter)
 MIN_WHOLE = 64
+#: per-document stripes are first predicted coarsely (:func:`~striped_sp.plan.doc_stripes._floor_table`
+#: counts, no fix-up: a few ms less each at 1M tokens); only those within this share of the best
+#: prediction so far are predicted exactly.  The coarse ones were within 4.1% of the exact ones on
+#: every mix, N and model tried (tests/unit/test_search_speed.py checks that the choice is the full search's)
+COARSE_MARGIN = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,9 @@ class Prediction:
     steps: int
     compute_ms: tuple
     carried_rows: tuple
+    #: predicted from counts before the placement's fix-up (per-document stripes only), within a few
+    #: percent of the exact prediction: ruled out by :data:`COARSE_MARGIN`, never chosen
+    coarse: bool = False
 
     @property
     def layout_params(self) -> dict:
@@ -86,8 +94,8 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
     return compute, private
 
 
-def _doc_steps(bounds, world_size, whole_max, model):
-    _, kept, split, counts = doc_stripes.place(bounds, world_size, whole_max, tables=False)
+def _doc_steps(bounds, world_size, whole_max, model, coarse=False):
+    _, kept, split, counts = doc_stripes.place(bounds, world_size, whole_max, tables=False, coarse=coarse)
     lengths = _lengths(bounds)
     cost = doc_stripes.step_cost(bounds, world_size, kept, counts, lambda m: model.call_tensor(m, m, True),
                                  lambda q, k: model.call_tensor(q, k, False), model.rect_factors)
@@ -97,19 +105,21 @@ def _doc_steps(bounds, world_size, whole_max, model):
 
 
 def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: CostModel | str | None = None,
-                 even_only: bool = False) -> Prediction:
+                 even_only: bool = False, coarse: bool = False) -> Prediction:
     """The model's forward+backward time per head of one candidate (``ValueError`` if infeasible;
-    ``even_only``: also for a stripe size under which a striped document spans fewer than N stripes)."""
+    ``even_only``: also for a stripe size under which a striped document spans fewer than N stripes;
+    ``coarse``: per-document stripes predicted from their counts before the fix-up)."""
     model = model_named(model)
     bounds = tuple(bounds)
     if stripe_size == "doc":
-        compute, private = _doc_steps(bounds, world_size, whole_max, model)
+        compute, private = _doc_steps(bounds, world_size, whole_max, model, coarse)
     else:
         compute, private = _striped_steps(bounds, world_size, stripe_size, whole_max, model, even_only)
     local = bounds[-1] // world_size
     carried = [local - min(private)] * (len(compute) - 1) + [0]
     ns = model.ring_ns(compute, carried)
-    return Prediction(stripe_size, whole_max, ns / 1e6, len(compute), tuple(c / 1e6 for c in compute), tuple(carried))
+    return Prediction(stripe_size, whole_max, ns / 1e6, len(compute), tuple(c / 1e6 for c in compute), tuple(carried),
+                      coarse=coarse and stripe_size == "doc")
 
 
 def predict_zigzag(bounds, world_size: int, model: CostModel | str | None = None) -> Prediction:
@@ -146,9 +156,9 @@ def _whole_maxes(local: int, lengths: list[int]) -> list[int]:
     return kept
 
 
-def _try(bounds, world_size, stripe, whole_max, model, even_only=False):
+def _try(bounds, world_size, stripe, whole_max, model, even_only=False, coarse=False):
     try:
-        return predict_ring(bounds, world_size, stripe, whole_max, model, even_only)
+        return predict_ring(bounds, world_size, stripe, whole_max, model, even_only, coarse)
     except ValueError:
         return None
 
@@ -181,18 +191,24 @@ def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_p
             s *= 2
     else:
         families, sizes = [stripe_size], []
-    tried = [p for stripe in families for w in maxes if (p := _try(bounds, world_size, stripe, w, model))]
+    tried = [p for stripe in families if stripe != "doc" for w in maxes
+             if (p := _try(bounds, world_size, stripe, w, model))]
     for s in sizes:  # one joint search: every stripe size with every whole_max
         for w in maxes:
             if any(w < n < s * world_size for n in lengths):
                 continue  # a striped document on fewer than N stripes (predict_ring's even_only)
             if (p := _try(bounds, world_size, s, w, model, even_only=True)):
                 tried.append(p)
-    if not tried:
+    if "doc" in families:  # coarsely first; exactly where it may be the fastest
+        rough = [p for w in maxes if (p := _try(bounds, world_size, "doc", w, model, coarse=True))]
+        bar = min([p.ms for p in tried + rough], default=0.0) * (1 + COARSE_MARGIN)
+        tried += [(_try(bounds, world_size, "doc", p.whole_max, model) if p.ms <= bar else p) for p in rough]
+        tried = [p for p in tried if p is not None]
+    if not any(not p.coarse for p in tried):
         raise ValueError(f"no striped plan fills {world_size} ranks of {local} tokens evenly for this row "
                          f"(stripe_size={stripe_size!r}, doc_placement={doc_placement!r})")
-    fastest = min(p.ms for p in tried)
-    near = [p for p in tried if p.ms <= fastest / (1 - MIN_GAIN)]
+    fastest = min(p.ms for p in tried if not p.coarse)
+    near = [p for p in tried if not p.coarse and p.ms <= fastest / (1 - MIN_GAIN)]
     return min(near, key=preference), tried
 
 
@@ -243,9 +259,12 @@ def decision(bounds, world_size: int, stripe="auto", doc_placement="auto",
         whole = 0 if doc_placement == "split" else doc_placement
         return f"pinned: {_plan_words(stripe, whole)} (stripe_size={stripe!r}, doc_placement={doc_placement!r})"
     chosen, tried = search(bounds, world_size, model, stripe, doc_placement)
+    rough = sum(p.coarse for p in tried)
+    tried = [p for p in tried if not p.coarse]
     others = sorted((p for p in tried if (p.stripe_size, p.whole_max) != (chosen.stripe_size, chosen.whole_max)),
                     key=lambda p: p.ms)
-    line = (f"searched {len(tried)} striped plans for {len(bounds) - 1} documents on {world_size} ranks by the "
+    ruled_out = f" ({rough} more ruled out on a coarse prediction)" if rough else ""
+    line = (f"searched {len(tried)} striped plans{ruled_out} for {len(bounds) - 1} documents on {world_size} ranks by the "
             f"cost model {model.label!r}: {_plan_words(chosen.stripe_size, chosen.whole_max)} "
             f"(stripe_size={chosen.stripe_size!r}, whole_max={chosen.whole_max}), predicted {chosen.ms:.2f} ms "
             f"fwd+bwd per head, {chosen.steps} ring step{'s' if chosen.steps > 1 else ''}")

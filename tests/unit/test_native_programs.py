@@ -145,3 +145,20 @@ def test_windows_fold_into_the_causal_and_full_classes():
             got, launches = _pairs_of_program(program)
             assert got == _pairs_of_segments(segs, b, nq, nk), (trial, b)
             assert launches <= 2, (trial, [(g.wl, g.wr) for g in program.groups])
+
+
+def test_ranges_forwards_and_backwards_match_written_out_ranges():
+    from striped_sp.kernels.segments import _ranges
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        count = int(torch.randint(1, 40, (1,), generator=gen))
+        lens = torch.randint(0, 6, (count,), generator=gen)
+        starts = torch.randint(0, 100, (count,), generator=gen)
+        back = torch.rand(count, generator=gen) < 0.5
+        expected = [torch.arange(s, s + n).flip(0) if r else torch.arange(s, s + n)
+                    for s, n, r in zip(starts.tolist(), lens.tolist(), back.tolist())]
+        expected = torch.cat(expected + [torch.zeros(0, dtype=torch.int64)])
+        assert torch.equal(_ranges(starts, lens, back), expected)
+        assert torch.equal(_ranges(starts, lens), torch.cat([torch.arange(s, s + n) for s, n in
+                                                             zip(starts.tolist(), lens.tolist())] + [expected[:0]]))

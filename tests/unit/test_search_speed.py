@@ -47,7 +47,8 @@ def test_step_cost_by_products_equals_the_loop():
         model = models[i % len(models)]
         for whole_max in (0, local // 4, local):
             _, kept, split, counts = doc_stripes.place(bounds, n, whole_max)
-            assert doc_stripes.place(bounds, n, whole_max, tables=False) == (None, kept, split, counts)
+            fast = doc_stripes.place(bounds, n, whole_max, tables=False)
+            assert fast[:3] == (None, kept, split) and fast[3].dtype == torch.int64 and fast[3].tolist() == counts
             causal = lambda m: model.call_tensor(m, m, True)  # noqa: E731
             rect = lambda q, k: model.call_tensor(q, k, False)  # noqa: E731
             slow = doc_stripes.step_cost(bounds, n, kept, counts, causal, rect)
@@ -107,10 +108,43 @@ def test_every_candidate_of_the_search_is_predicted_as_from_the_full_placement()
         search._search.cache_clear()
         chosen, tried = search.search(bounds, n, model)
         assert len(tried) > 10
-        for p in tried:
+        for p in (p for p in tried if not p.coarse):
             compute = _slow_prediction(bounds, n, p.stripe_size, p.whole_max, model)
             assert len(compute) == p.steps
             torch.testing.assert_close(torch.tensor(p.compute_ms, dtype=torch.float64),
                                        torch.tensor(compute, dtype=torch.float64) / 1e6, rtol=1e-12, atol=0)
-        assert chosen == min(tried, key=lambda p: (p.ms > min(q.ms for q in tried) / (1 - search.MIN_GAIN),
+        exact = [p for p in tried if not p.coarse]
+        assert chosen == min(exact, key=lambda p: (p.ms > min(q.ms for q in exact) / (1 - search.MIN_GAIN),
                                                      search.preference(p)))
+
+
+def _full_search(bounds, n, model):
+    """The search with every candidate predicted exactly (no coarse step): the reference choice."""
+    local = bounds[-1] // n
+    lengths = search._lengths(bounds)
+    maxes = search._whole_maxes(local, lengths)
+    tried = [p for stripe in (1, "doc") for w in maxes if (p := search._try(bounds, n, stripe, w, model))]
+    s = search.MIN_STRIPE
+    while s <= local // 2:
+        for w in maxes:
+            if not any(w < x < s * n for x in lengths) and (p := search._try(bounds, n, s, w, model, even_only=True)):
+                tried.append(p)
+        s *= 2
+    fastest = min(p.ms for p in tried)
+    return min((p for p in tried if p.ms <= fastest / (1 - search.MIN_GAIN)), key=search.preference)
+
+
+@pytest.mark.parametrize("mix", ["lognormal:median=128,sigma=1.0", "lognormal:median=600,sigma=1.2",
+                                 "lognormal:median=2500,sigma=1.0", "lognormal:median=8192,sigma=1.5"])
+def test_the_coarse_step_keeps_the_full_searchs_choice(mix):
+    from striped_sp.bench.docs import packed_row, parse_docs
+
+    models = [search.model_named("cpu"), gpu_model("fa2", "H100"), gpu_model("fa4", "B200")]
+    for n, seq in ((2, 1 << 13), (8, 1 << 15), (16, 1 << 15), (64, 1 << 18)):
+        bounds = tuple(packed_row(parse_docs(mix), seq))
+        for model in models:
+            search._search.cache_clear()
+            chosen, tried = search.search(bounds, n, model)
+            full = _full_search(bounds, n, model)
+            assert (chosen.stripe_size, chosen.whole_max) == (full.stripe_size, full.whole_max), (n, model.name)
+            assert chosen.ms == pytest.approx(full.ms, rel=1e-12) and not chosen.coarse
