@@ -170,6 +170,13 @@ class Layout:
             runs = torch.cat([runs, torch.full((runs.size(0), 1), self.stride(world_size), dtype=torch.int64)], 1)
         return runs
 
+    def all_run_tables(self, seq_len: int, world_size: int, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's :meth:`run_table` at once: ``(runs [total, 4], runs per rank [N])``, int64,
+        rank 0's first."""
+        tables = [self.run_table(seq_len, world_size, r, cu_seqlens) for r in range(world_size)]
+        sizes = torch.tensor([t.size(0) for t in tables], dtype=torch.int64)
+        return (torch.cat(tables) if tables else torch.zeros(0, 4, dtype=torch.int64)), sizes
+
     def positions(self, seq_len: int, world_size: int, rank: int, cu_seqlens=None) -> torch.Tensor:
         """Global positions (int64, length ``seq_len // world_size``) of rank's tokens, in local
         order (increasing, except where a layout places whole documents).
@@ -237,14 +244,25 @@ class Zigzag(Layout):
         return 2 * world_size  # Transformer Engine's THD rule: each document in 2N chunks
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
-        # two runs per document (its chunks rank and 2N-1-rank), vectorised: rows can pack thousands
+        return self._runs(seq_len, world_size, torch.tensor([rank]), cu_seqlens)[0]
+
+    def all_run_tables(self, seq_len, world_size, cu_seqlens=None):
+        runs = self._runs(seq_len, world_size, torch.arange(world_size), cu_seqlens)  # [N, 2 * docs, 3]
+        steps = torch.ones(world_size, runs.size(1), 1, dtype=torch.int64)
+        return torch.cat([runs, steps], 2).view(-1, 4), torch.full((world_size,), runs.size(1), dtype=torch.int64)
+
+    @staticmethod
+    def _runs(seq_len, world_size, ranks, cu_seqlens):
+        """``[ranks, 2 * docs, 3]``: two runs per document (its chunks rank and 2N-1-rank), vectorised
+        over documents and ranks: rows can pack thousands."""
         bounds = torch.tensor([0, seq_len] if cu_seqlens is None else list(cu_seqlens), dtype=torch.int64)
         start = bounds[:-1]
         c = (bounds[1:] - start) // (2 * world_size)
-        local = torch.cumsum(2 * c, 0) - 2 * c
-        first = torch.stack([local, start + rank * c, c], 1)
-        second = torch.stack([local + c, start + (2 * world_size - 1 - rank) * c, c], 1)
-        return torch.stack([first, second], 1).reshape(-1, 3)
+        local = (torch.cumsum(2 * c, 0) - 2 * c).expand(ranks.numel(), -1)
+        r = ranks[:, None]
+        first = torch.stack([local, start + r * c, c.expand_as(local)], 2)
+        second = torch.stack([local + c, start + (2 * world_size - 1 - r) * c, c.expand_as(local)], 2)
+        return torch.stack([first, second], 2).reshape(ranks.numel(), -1, 3)
 
     def causal_plan(self, rank, source, world_size, local_len):
         half = local_len // 2

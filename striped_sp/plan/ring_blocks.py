@@ -26,9 +26,7 @@ def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
 
 def _all_runs(layout, spec, world_size: int):
     """Every rank's non-empty runs (local start, first position, count, step) and their ranks."""
-    tables = [layout.run_table(spec.seq_len, world_size, r, spec.bounds) for r in range(world_size)]
-    sizes = torch.tensor([t.size(0) for t in tables], dtype=torch.int64)
-    runs = torch.cat(tables) if tables else torch.zeros(0, 4, dtype=torch.int64)
+    runs, sizes = layout.all_run_tables(spec.seq_len, world_size, spec.bounds)
     owner = torch.repeat_interleave(torch.arange(world_size), sizes)
     live = runs[:, 2] > 0
     return runs[live], owner[live]
@@ -44,6 +42,11 @@ def all_pieces(layout, spec, world_size: int):
     ends = torch.tensor(spec.bounds[1:], dtype=torch.int64)
     d0 = torch.searchsorted(starts, pos0, right=True) - 1
     d1 = torch.searchsorted(starts, pos0 + (count - 1) * stride, right=True) - 1
+    if bool((d0 == d1).all()):  # every run inside one document (zigzag, per-document stripes): no cut
+        width = int(local0.max()) + 1 if local0.numel() else 1
+        key = (owner * len(spec.bounds) + d0) * width + local0
+        if key.numel() < 2 or bool((key[1:] >= key[:-1]).all()):  # and already in order
+            return owner, d0, local0, pos0, count, stride
     reps = d1 - d0 + 1
     total = int(reps.sum())
     run = torch.repeat_interleave(torch.arange(runs.size(0)), reps, output_size=total)
