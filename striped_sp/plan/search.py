@@ -29,6 +29,8 @@ import functools
 
 import logging
 
+import torch
+
 from . import doc_stripes, placement
 from .cost import CostModel, default_model, model_named
 from .stripe_choice import MIN_STRIPE
@@ -82,8 +84,12 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
     if even_only and stripe > 1 and any(lengths[d] < stripe * world_size for d in striped):
         # a document on fewer ranks than N falls unevenly: outside what the model describes
         raise ValueError(f"stripe_size={stripe}: a striped document is shorter than {stripe * world_size} tokens")
-    whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
-    per_step = sum(placement._striped_doc_ns(model, lengths[d], world_size, stripe) for d in striped)
+    sizes = torch.tensor([len(rows) for rows in pieces], dtype=torch.int64)
+    counts = torch.tensor([c for rows in pieces for _, c in rows], dtype=torch.float64)
+    whole_ns = torch.zeros(world_size, dtype=torch.float64).index_add_(
+        0, torch.repeat_interleave(torch.arange(world_size), sizes), _call_ns(model, counts, counts)).tolist()
+    per_step = float(_striped_docs_ns(model, torch.tensor([lengths[d] for d in striped], dtype=torch.float64),
+                                      world_size, stripe).sum())
     cross = placement._cross_entries(pieces)  # cut documents: their cross-rank blocks, dense
     private = [sum(c for d, c in rows if c == lengths[d]) for rows in pieces]
     ring = bool(striped) or any(c != lengths[d] for rows in pieces for d, c in rows)  # striped or cut
@@ -92,6 +98,25 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
         compute += [per_step] * (world_size - 1)
         compute[1] += cross * model.ns_per_entry
     return compute, private
+
+
+def _call_ns(model: CostModel, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """:meth:`CostModel.call` of causal calls, element by element (float64; 0 where a side is 0)."""
+    safe = torch.where(rows > 0, rows, torch.ones_like(rows))
+    ns = model.ns_per_entry * safe * torch.minimum(keys, safe / 2 + model.causal_waste) * (1 + model.small_rows / safe)
+    return torch.where((rows > 0) & (keys > 0), ns + model.call_ns, torch.zeros_like(ns))
+
+
+def _striped_docs_ns(model: CostModel, lengths: torch.Tensor, world_size: int, stripe: int) -> torch.Tensor:
+    """:func:`~striped_sp.plan.placement._striped_doc_ns` of every document of ``lengths`` (float64)."""
+    rows = lengths / world_size
+    one = _call_ns(model, rows, rows)
+    if stripe == 1:
+        return one
+    k = rows / stripe
+    square = _call_ns(model, *(torch.tensor([float(stripe)], dtype=torch.float64),) * 2)
+    dense = model.ns_per_entry * (k * (k - 1) / 2 * stripe * stripe) * (1 + model.small_rows / stripe)
+    return torch.where(k <= 1, one, k * square + dense + (k - 1) * model.call_ns)
 
 
 def _doc_steps(bounds, world_size, whole_max, model, coarse=False):

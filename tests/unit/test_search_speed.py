@@ -148,3 +148,18 @@ def test_the_coarse_step_keeps_the_full_searchs_choice(mix):
             full = _full_search(bounds, n, model)
             assert (chosen.stripe_size, chosen.whole_max) == (full.stripe_size, full.whole_max), (n, model.name)
             assert chosen.ms == pytest.approx(full.ms, rel=1e-12) and not chosen.coarse
+
+
+@pytest.mark.parametrize("model", _models(), ids=lambda m: m.name)
+def test_vectorised_call_costs_equal_the_models_calls(model):
+    rng = random.Random(9)
+    lengths = [rng.choice([0, 1, 5, 63, 64, 65, rng.randrange(1, 100000)]) for _ in range(200)]
+    as_tensor = torch.tensor(lengths, dtype=torch.float64)
+    expected = torch.tensor([model.call(x, x, True) for x in lengths], dtype=torch.float64)
+    torch.testing.assert_close(search._call_ns(model, as_tensor, as_tensor), expected, rtol=1e-12, atol=0)
+    for stripe in (1, 8, 64, 512):
+        for n in (1, 2, 8, 64):
+            expected = torch.tensor([placement._striped_doc_ns(model, x, n, stripe) for x in lengths],
+                                    dtype=torch.float64)
+            torch.testing.assert_close(search._striped_docs_ns(model, as_tensor, n, stripe), expected,
+                                       rtol=1e-12, atol=0)
