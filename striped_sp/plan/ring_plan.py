@@ -42,8 +42,9 @@ __all__ = ["RingPlan", "HostPlan", "build_host_plan", "compile_plan", "build_rin
 
 
 class Decision:
-    """A row's decision line (``Layout.decision``), made when first read: pricing zigzag beside the
-    striped plans for it costs about a search's worth on a long packed row, every batch."""
+    """A value made when first read: a row's decision line (``Layout.decision``; pricing zigzag
+    beside the striped plans for it costs about a search's worth on a long packed row, every
+    batch), or a plan's predicted step times (a pass over every segment, for reports only)."""
 
     def __init__(self, make):
         self._make, self._text = make, None
@@ -71,7 +72,8 @@ class RingPlan:
     masked: bool
     programs: tuple | None = None
     arena: Arena | None = None
-    predicted_ms: tuple = ()
+    #: :attr:`predicted_ms`, made when first read
+    predicted_of: "Decision | None" = dataclasses.field(default=None, compare=False)
     cost_model: str = ""
     order: torch.Tensor | None = None  # run row p is the caller's row order[p]
     inverse: torch.Tensor | None = None  # the caller's row t is run row inverse[t]
@@ -84,6 +86,11 @@ class RingPlan:
         choice, its predicted time, the runner-up, zigzag where predicted faster); ``None``: a fixed
         layout."""
         return None if self.decision_of is None else self.decision_of.get()
+
+    @property
+    def predicted_ms(self) -> tuple:
+        """Per step, the forward time per head of its calls on :attr:`cost_model`, in ms."""
+        return () if self.predicted_of is None else self.predicted_of.get()
 
     def launches(self, step: int) -> int:
         """Kernel calls of ``step`` per forward (the same per backward)."""
@@ -119,6 +126,11 @@ class HostPlan:
     @property
     def decision(self) -> str | None:
         return None if self.decision_of is None else self.decision_of.get()
+
+    @property
+    def predicted_ms(self) -> tuple:
+        """Per step, the forward time per head of its calls on :attr:`cost_model`, in ms."""
+        return () if self.predicted_of is None else self.predicted_of.get()
 
 
 def build_host_plan(layout, mask: MaskSpec | None, causal: bool, world_size: int, rank: int,
@@ -202,7 +214,8 @@ def compile_plan(host: HostPlan, *, kernel, scale: float, comm_dtype: torch.dtyp
     adopted by a calibration of that kernel there, else the table's)."""
     device = torch.device(device)
     model = model_for(kernel.name, device.type)
-    cost = dict(predicted_ms=_predicted_ms(host, model), cost_model=model.label, decision_of=host.decision_of)
+    cost = dict(predicted_of=Decision(lambda: _predicted_ms(host, model)), cost_model=model.label,
+                decision_of=host.decision_of)
     arena = Arena()
     order = _order_slots(host.order, arena)
     if not host.masked:
