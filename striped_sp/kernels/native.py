@@ -313,9 +313,9 @@ def split_bands(call, wl, wr, q0, k0, lq, lk, only=None, extra: tuple = ()) -> t
     idx = torch.arange(n)[band][which]
     where = torch.cat([torch.arange(n)[~band], idx, idx])
     fields = [torch.cat(f) for f in zip(*parts)]
-    keep = (fields[5] > 0) & (fields[6] > 0)
-    order = torch.argsort(fields[0][keep] * n + where[keep], stable=True)
-    return tuple(f[keep][order] for f in fields)
+    keep = ((fields[5] > 0) & (fields[6] > 0)).nonzero().flatten()
+    keep = keep[torch.argsort(fields[0][keep] * n + where[keep], stable=True)]  # one gather per field
+    return tuple(f[keep] for f in fields)
 
 
 def fold_window_edges(call, wl, wr, q0, k0, lq, lk, extra: tuple = (), only=None) -> tuple:
@@ -358,9 +358,9 @@ def fold_window_edges(call, wl, wr, q0, k0, lq, lk, extra: tuple = (), only=None
     n = call.numel()
     where = torch.cat([torch.arange(n)[~edge], *(torch.arange(n)[edge] for _ in range(3))])
     fields = [torch.cat(f) for f in zip(*parts)]
-    keep = (fields[5] > 0) & (fields[6] > 0)
-    order = torch.argsort(fields[0][keep] * n + where[keep], stable=True)
-    out = [f[keep][order] for f in fields]
+    keep = ((fields[5] > 0) & (fields[6] > 0)).nonzero().flatten()
+    keep = keep[torch.argsort(fields[0][keep] * n + where[keep], stable=True)]  # one gather per field
+    out = [f[keep] for f in fields]
     out[7] = out[7] & (out[5] > 1)  # a reversed single row is the row itself
     return tuple(out)
 
