@@ -40,9 +40,9 @@ def test_rect_factors_sum_to_the_dense_call(model):
 def test_step_cost_by_products_equals_the_loop():
     rng = random.Random(7)
     models = _models()
-    for i in range(60):
+    for i in range(40):
         n = rng.choice([1, 2, 3, 4, 8, 16, 64])
-        bounds = _row(rng, n, rng.choice([64, 256, 2048]))
+        bounds = _row(rng, n, rng.choice([64, 256, 2048] if n < 64 else [64, 256]))
         local = bounds[-1] // n
         model = models[i % len(models)]
         for whole_max in (0, local // 4, local):
