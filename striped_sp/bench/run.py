@@ -195,7 +195,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                     impls[peer] = PEERS[peer](group, {"force_peers": cfg.force_peers}, q, k, v)
                 except PeerSkip as e:
                     notes[(seq, peer)] = f"skipped: {e}"
-            samples, peaks = {name: [] for name in impls}, {}
+            samples, peaks, cpu_samples = {name: [] for name in impls}, {}, {}
             prof = {name: {} for name in cfg.layouts}
         for name in list(impls):
             fn, lay = impls[name]
@@ -207,7 +207,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
             tracker = MemoryPeak(device) if memory and it == 0 else contextlib.nullcontext()
             dist.barrier()
             clock.t, clock.phase = {}, "fwd"
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 with tracker:
                     if cfg.profile and name in cfg.layouts and not (cfg.docs or cfg.window):
@@ -220,7 +220,9 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                     raise
                 failed += 1
                 notes[(seq, name)] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            dt = torch.tensor([time.perf_counter() - t0], device=device)
+            # wall time, and the process's CPU time (its threads, gloo's copies included): under load
+            # from other jobs on a shared machine the busiest rank's CPU time still ranks plans
+            dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], device=device)
             dist.all_reduce(failed)
             if failed.item():
                 notes.setdefault((seq, name), "skipped: failed on another rank")
@@ -235,7 +237,8 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 notes[(seq, name)] = f"{lay} layout, max_abs_err vs ring_attention {err.item():.1e}"
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if it >= cfg.warmup:
-                samples[name].append(dt.item())
+                samples[name].append(dt[0].item())
+                cpu_samples.setdefault(name, []).append(dt[1].item())
                 for key, val in clock.t.items():
                     prof.setdefault(name, {}).setdefault(key, []).append(val)
         if it == cfg.warmup + cfg.iters - 1:
@@ -247,7 +250,8 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": m * 1e3,
                                 "speedup_vs_contiguous": base / m if base else None,
                                 "docs": cfg.docs, "window": cfg.window, "padding_tokens": padding.get(name, 0),
-                                "peak_mib": _mib(peaks.get(name))})
+                                "peak_mib": _mib(peaks.get(name)), "samples_ms": [t * 1e3 for t in ts],
+                                "cpu_samples_ms": [t * 1e3 for t in cpu_samples.get(name, [])]})
             for name in cfg.peers:
                 if name not in samples or not samples[name]:
                     records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": None,
