@@ -44,18 +44,25 @@ def stripe_policy(layout_key: str) -> str:
     return policy
 
 
-def kernel_choice(backend: str, device: torch.device, dtype: torch.dtype, head_dim=None) -> tuple[str, str]:
-    """``(kernel name, why)`` for ``backend`` on ``device`` / ``dtype`` / ``head_dim``: the kernel
-    :func:`striped_sp.kernels.resolve_kernel` picks, and, for ``auto``, its class and the kernels
-    passed over with their reasons."""
+def kernel_choice(backend: str, device: torch.device, dtype: torch.dtype, head_dim=None,
+                  gqa: bool | None = None) -> tuple[str, str]:
+    """``(kernel name, why)`` for ``backend`` on ``device`` / ``dtype`` / ``head_dim`` (``gqa``:
+    whether the model has fewer kv heads than query heads, ``None``: unknown): the kernel
+    :func:`striped_sp.kernels.resolve_kernel` picks, as the ring's calls resolve it, and, for
+    ``auto``, its class and the kernels passed over with their reasons."""
     device = torch.device(device)
-    kernel = resolve_kernel(backend, device, dtype, head_dim)
+    kernel = resolve_kernel(backend, device, dtype, head_dim, gqa=gqa)
     if backend != "auto":
         return kernel.name, f"backend {backend!r} as set"
-    runs = set(available_backends(device, dtype, head_dim))
+    runs = set(available_backends(device, dtype, head_dim, gqa=gqa))
     widest = max(head_dim) if isinstance(head_dim, (tuple, list)) else head_dim  # (d, dv): MLA
-    passed = [f"{name}: {other.unavailable_reason(device, dtype, widest) or 'not for these head dims'}"
-              for name, other in KERNELS.items() if name not in runs]
+
+    def why_not(other):
+        return (other.unavailable_reason(device, dtype, widest)
+                or (other.gqa_unavailable_reason(device, dtype, head_dim) if gqa is not False else None)
+                or "not for these head dims")
+
+    passed = [f"{name}: {why_not(other)}" for name, other in KERNELS.items() if name not in runs]
     cls = kernel.kernel_class(device, dtype, head_dim, True)
     why = f"backend auto: the fastest class that runs ({cls})"
     return kernel.name, why + (f"; passed over {'; '.join(passed)}" if passed else "")
@@ -72,11 +79,11 @@ def cost_model_state(kernel_name: str, device_type: str, how_to_calibrate: str) 
 
 
 def setup_line(route: str, layout_key: str, cp_desc: str, backend: str, device, dtype, head_dim,
-               how_to_calibrate: str) -> str:
+               how_to_calibrate: str, gqa: bool | None = None) -> str:
     """One line: ``striped_sp on (route): layout ...; CP ...; kernel ... (why); stripes ...; cost model ...``."""
     device = torch.device(device)
     try:
-        kernel, why = kernel_choice(backend, device, dtype, head_dim)
+        kernel, why = kernel_choice(backend, device, dtype, head_dim, gqa)
     except ValueError as err:  # the first call will refuse it, naming the setting
         kernel, why = "none", str(err)
     return (f"striped_sp on ({route}): layout {layout_key}; {cp_desc}; kernel {kernel} on {device.type} "

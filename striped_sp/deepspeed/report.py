@@ -32,6 +32,14 @@ def _head_dim(model):
     return head_dim if isinstance(head_dim, int) else None
 
 
+def _gqa(model) -> bool | None:
+    """Whether the model's attention has fewer kv heads than query heads (``None``: not said)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads, kv = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    return kv < heads if isinstance(heads, int) and isinstance(kv, int) else None
+
+
 def setup_line(model, settings: ContextParallelSettings, groups, config: dict) -> str:
     """The line for ``model`` adapted with ``settings`` over ``groups`` (:class:`.SequenceParallelGroups`)."""
     from ..setup_report import setup_line as line
@@ -45,7 +53,7 @@ def setup_line(model, settings: ContextParallelSettings, groups, config: dict) -
     return line(f"DeepSpeed, context_parallel.algo {settings.algo}", settings.layout,
                 f"sequence_parallel_size {sp} (ranks {ranks} of {dist.get_world_size()}, {groups.dp_size} "
                 f"data-parallel replicas{split})", settings.backend, device, _dtype(model, config),
-                _head_dim(model), '"calibrate": true measures it')
+                _head_dim(model), '"calibrate": true measures it', gqa=_gqa(model))
 
 
 def announce(model, settings: ContextParallelSettings, groups, config: dict) -> None:

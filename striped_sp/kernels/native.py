@@ -234,6 +234,8 @@ def _parts(g_of, call_e, lens_q, starts, groups: int) -> list:
     if not bool(multi.any()):
         return out
     live = multi[g_of] & (lens_q > 0)
+    if not bool(live.any()):
+        return out
     g, start, end = g_of[live], starts[live], (starts + lens_q)[live]
     span = int(end.max()) + 1  # a group's ranges sorted by start, each group above the ones before
     order = torch.argsort(g * span + start)

@@ -44,4 +44,5 @@ def setup_line(model, algo: str) -> str | None:
     return line(f"Megatron, --context-parallel-algo {algo}", attention.layout,
                 f"CP size {size} ({where}; --cp-comm-type {attention.cp_comm_type})", attention.backend,
                 "cuda" if torch.cuda.is_available() else "cpu", _dtype(model.config), head_dim,
-                "--striped-calibrate measures it")
+                "--striped-calibrate measures it",
+                gqa=attention.num_query_groups_per_partition < attention.num_attention_heads_per_partition)

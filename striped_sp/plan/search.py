@@ -45,10 +45,13 @@ _log = logging.getLogger("striped_sp.plan.search")
 MIN_GAIN = 0.01
 #: the shortest ``whole_max`` tried after 0 (shorter documents are too few entries to matter)
 MIN_WHOLE = 64
-#: per-document stripes are first predicted coarsely (:func:`~striped_sp.plan.doc_stripes._floor_table`
-#: counts, no fix-up: a few ms less each at 1M tokens); only those within this share of the best
-#: prediction so far are predicted exactly.  The coarse ones were within 4.1% of the exact ones on
-#: every mix, N and model tried (tests/unit/test_search_speed.py checks that the choice is the full search's)
+#: in the joint search (``stripe_size="auto"``), per-document stripes are first predicted coarsely
+#: (:func:`~striped_sp.plan.doc_stripes._floor_table` counts, no fix-up: a few ms less each at 1M
+#: tokens); the coarsely fastest is then predicted exactly, and so is every other within this share
+#: of the best exact prediction.  Coarse predictions were within 4.1% of the exact ones on lognormal
+#: mixes, but rows of documents shorter than 2N tokens can be off several times over; a pinned
+#: ``stripe_size="doc"`` predicts every candidate exactly (tests/unit/test_search_speed.py checks the
+#: choice against the full search on both kinds of rows)
 COARSE_MARGIN = 0.10
 
 
@@ -190,7 +193,9 @@ def _try(bounds, world_size, stripe, whole_max, model, even_only=False, coarse=F
 
 def search(bounds, world_size: int, model: CostModel | str | None = None, stripe_size="auto",
            doc_placement="auto") -> tuple[Prediction, list[Prediction]]:
-    """``(chosen, every candidate predicted)`` for a packed row with boundaries ``bounds``.
+    """``(chosen, every candidate predicted)`` for a packed row with boundaries ``bounds``; a
+    candidate with ``coarse`` set was ruled out on a coarse prediction (:data:`COARSE_MARGIN`), its
+    ``ms`` not the exact one.
 
     ``stripe_size``: ``"auto"`` (every stripe size) or a fixed one; ``doc_placement``: ``"auto"``
     (every ``whole_max``), ``"split"`` or an int (fixed).  ``ValueError`` when no candidate fits."""
@@ -224,11 +229,16 @@ def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_p
                 continue  # a striped document on fewer than N stripes (predict_ring's even_only)
             if (p := _try(bounds, world_size, s, w, model, even_only=True)):
                 tried.append(p)
-    if "doc" in families:  # coarsely first; exactly where it may be the fastest
-        rough = [p for w in maxes if (p := _try(bounds, world_size, "doc", w, model, coarse=True))]
-        bar = min([p.ms for p in tried + rough], default=0.0) * (1 + COARSE_MARGIN)
-        tried += [(_try(bounds, world_size, "doc", p.whole_max, model) if p.ms <= bar else p) for p in rough]
+    if "doc" in families and stripe_size == "auto":  # coarsely first; exactly where it may be the fastest
+        rough = sorted((p for w in maxes if (p := _try(bounds, world_size, "doc", w, model, coarse=True))),
+                       key=lambda p: p.ms)
+        exact = [q for p in rough[:1] if (q := _try(bounds, world_size, "doc", p.whole_max, model))]
+        bar = min(p.ms for p in tried + exact) * (1 + COARSE_MARGIN) if tried + exact else float("inf")
+        tried += exact + [(_try(bounds, world_size, "doc", p.whole_max, model) if p.ms <= bar else p)
+                          for p in rough[1:]]
         tried = [p for p in tried if p is not None]
+    elif "doc" in families:
+        tried += [p for w in maxes if (p := _try(bounds, world_size, "doc", w, model))]
     if not any(not p.coarse for p in tried):
         raise ValueError(f"no striped plan fills {world_size} ranks of {local} tokens evenly for this row "
                          f"(stripe_size={stripe_size!r}, doc_placement={doc_placement!r})")
@@ -288,8 +298,7 @@ def decision(bounds, world_size: int, stripe="auto", doc_placement="auto",
     tried = [p for p in tried if not p.coarse]
     others = sorted((p for p in tried if (p.stripe_size, p.whole_max) != (chosen.stripe_size, chosen.whole_max)),
                     key=lambda p: p.ms)
-    ruled_out = f" ({rough} more ruled out on a coarse prediction)" if rough else ""
-    line = (f"searched {len(tried)} striped plans{ruled_out} for {len(bounds) - 1} documents on {world_size} ranks by the "
+    line = (f"searched {len(tried)} striped plans for {len(bounds) - 1} documents on {world_size} ranks by the "
             f"cost model {model.label!r}: {_plan_words(chosen.stripe_size, chosen.whole_max)} "
             f"(stripe_size={chosen.stripe_size!r}, whole_max={chosen.whole_max}), predicted {chosen.ms:.2f} ms "
             f"fwd+bwd per head, {chosen.steps} ring step{'s' if chosen.steps > 1 else ''}")
@@ -302,6 +311,8 @@ def decision(bounds, world_size: int, stripe="auto", doc_placement="auto",
     if zig.ms < fastest:
         line += (f"; zigzag predicted faster than every striped plan ({zig.ms:.2f} ms, {zig.ms / fastest - 1:+.1%}):"
                  " the layout named is kept (layout='zigzag' to use it)")
+    if rough:
+        line += f"; {rough} more per-document plans ruled out on a coarse prediction"
     return line
 
 

@@ -317,3 +317,22 @@ def test_predict_mode_prices_fa4_for_packed_calls_on_hopper():
     for arch in ("H100", "H800", "H200", "B200"):
         assert kernel_class_of("auto", arch, True) == kernel_class_of("auto", arch, False) == "fa4"
     assert kernel_class_of("auto", "A100", True) == "fa2"
+
+
+def test_the_setup_line_names_the_kernel_the_ring_runs_for_mla_without_gqa(fa4, monkeypatch):
+    """The setup line resolves the kernel as the ring's calls do: an MLA model without GQA runs on
+    FA4 on SM90, and the line says so; with GQA (or unknown) FA4 is passed over, with its reason."""
+    from striped_sp import setup_report
+
+    from striped_sp.plan import cost
+
+    fa4(cap=(9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cost, "gpu_arch", lambda: "H100")  # not the cached probe of the real device
+    assert setup_report.kernel_choice("fa4", CUDA, torch.bfloat16, (192, 128), gqa=False)[0] == "fa4"
+    line = setup_report.setup_line("test", "striped", "CP size 2", "fa4", CUDA, torch.bfloat16, (192, 128),
+                                   "calibrate", gqa=False)
+    assert "kernel fa4 on cuda" in line, line
+    name, why = setup_report.kernel_choice("auto", CUDA, torch.bfloat16, (192, 128), gqa=True)
+    assert name != "fa4" and "fa4: FA4's SM90 backward takes GQA calls with one head dim only" in why, why

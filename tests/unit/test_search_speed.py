@@ -118,20 +118,55 @@ def test_every_candidate_of_the_search_is_predicted_as_from_the_full_placement()
                                                      search.preference(p)))
 
 
-def _full_search(bounds, n, model):
+def _full_search(bounds, n, model, stripe_size="auto"):
     """The search with every candidate predicted exactly (no coarse step): the reference choice."""
     local = bounds[-1] // n
     lengths = search._lengths(bounds)
     maxes = search._whole_maxes(local, lengths)
-    tried = [p for stripe in (1, "doc") for w in maxes if (p := search._try(bounds, n, stripe, w, model))]
+    families = (1, "doc") if stripe_size == "auto" else (stripe_size,)
+    tried = [p for stripe in families for w in maxes if (p := search._try(bounds, n, stripe, w, model))]
     s = search.MIN_STRIPE
-    while s <= local // 2:
+    while s <= local // 2 and stripe_size == "auto":
         for w in maxes:
             if not any(w < x < s * n for x in lengths) and (p := search._try(bounds, n, s, w, model, even_only=True)):
                 tried.append(p)
         s *= 2
     fastest = min(p.ms for p in tried)
     return min((p for p in tried if p.ms <= fastest / (1 - search.MIN_GAIN)), key=search.preference)
+
+
+def _short_documents_row(rng: random.Random, n: int, per_rank: int) -> tuple:
+    """Rows of documents shorter than 2N tokens (where coarse predictions are far off), some mixed
+    with longer ones."""
+    kind, bounds = rng.randrange(4), [0]
+    while bounds[-1] < n * per_rank:
+        if kind == 0:
+            length = rng.choice([1, 2, 3])
+        elif kind == 1:
+            length = rng.choice([1, 2, 3, rng.randrange(1, 2 * n), int(rng.lognormvariate(6, 1.2)) + 1])
+        elif kind == 2:
+            length = rng.randrange(1, 3 * n) if rng.random() < 0.7 else rng.randrange(n, 8 * n)
+        else:
+            length = rng.choice([1, 2, int(rng.lognormvariate(7, 1)) + 1])
+        bounds.append(min(n * per_rank, bounds[-1] + length))
+    return tuple(bounds)
+
+
+def test_the_search_keeps_the_full_searchs_choice_on_rows_of_short_documents():
+    rng = random.Random(11)
+    models = _models()
+    for i in range(60):
+        n = rng.choice([2, 4, 8, 16])
+        bounds = _short_documents_row(rng, n, rng.choice([64, 256]))
+        model = models[i % len(models)]
+        for stripe in ("auto", "doc"):
+            search._search.cache_clear()
+            try:
+                chosen = search.search(bounds, n, model, stripe, "auto")[0]
+            except ValueError:
+                continue
+            full = _full_search(bounds, n, model, stripe)
+            assert (chosen.stripe_size, chosen.whole_max) == (full.stripe_size, full.whole_max), (n, model.name, stripe)
 
 
 @pytest.mark.parametrize("mix", ["lognormal:median=128,sigma=1.0", "lognormal:median=600,sigma=1.2",
