@@ -256,13 +256,13 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 if name not in samples or not samples[name]:
                     records.append({"impl": name, "world_size": n_ranks, "seq_len": seq, "median_ms": None,
                                     "speedup_vs_contiguous": None, "docs": cfg.docs, "window": cfg.window,
-                                    "padding_tokens": 0, "peak_mib": None})
+                                    "padding_tokens": 0, "peak_mib": None, "samples_ms": [], "cpu_samples_ms": []})
             if cfg.reference:
                 ms, peak = _reference(cfg, seq, dtype, device, kvh, rank == 0, memory)
                 records.append({"impl": "sdpa_1proc", "world_size": 1, "seq_len": seq, "median_ms": ms,
                                 "speedup_vs_contiguous": base / (ms / 1e3) if base and ms else None,
                                 "docs": cfg.docs, "window": cfg.window, "padding_tokens": 0,
-                                "peak_mib": _mib(peak)})
+                                "peak_mib": _mib(peak), "samples_ms": [ms] if ms else [], "cpu_samples_ms": []})
                 notes[(seq, "sdpa_1proc")] = ("one process, the whole sequence, 1 run" + (
                     "; causal only: no documents or window" if cfg.docs or cfg.window else ""))
             for name, d in prof.items():
@@ -317,7 +317,9 @@ def run(cfg: RunConfig):
     """Spawn the ranks; returns (records, notes, profile rows).
 
     ``records``: ``{"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
-    "padding_tokens", "peak_mib"}`` (``peak_mib``: the largest rank's peak, module docstring), and for a
+    "padding_tokens", "peak_mib", "samples_ms", "cpu_samples_ms"}`` (``peak_mib``: the largest rank's peak,
+    module docstring; ``samples_ms`` / ``cpu_samples_ms``: every round's wall time of the slowest rank and
+    CPU time of the busiest, empty where nothing ran), and for a
     striped layout with parameters ``plan``, ``plan_balance``, ``predicted_forward_ms``
     (:func:`.report.plan_report`); with ``global_every`` also the records of ``LAYOUT|global``
     (the same row without the window) for :func:`.mixed.combine_layers`;

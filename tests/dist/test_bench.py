@@ -17,7 +17,7 @@ from striped_sp.plan.layouts import LAYOUTS
 
 SIM_KEYS = {"layout", "world_size", "seq_len", "pass", "critical_path_ms", "speedup_vs_contiguous", "efficiency"}
 RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
-            "padding_tokens", "peak_mib"}
+            "padding_tokens", "peak_mib", "samples_ms", "cpu_samples_ms"}
 
 
 def _brute_force(layout: str, world_size: int, local_len: int) -> list[list[int]]:
