@@ -90,13 +90,15 @@ SM90_DETERMINISTIC_GQA = "4.0.0b12"
 
 
 def _release(text: str) -> tuple | None:
-    """``"4.0.0b12"`` -> ``(4, 0, 0, 12)``; a final release sorts after its betas; ``None`` when
-    unreadable (``"unknown"``: no metadata)."""
-    m = re.match(r"^(\d+)\.(\d+)\.(\d+)(?:b(\d+))?", text)
+    """``"4.0.0b12"`` -> ``(4, 0, 0, 12)``, in PEP 440's order: dev and alpha builds before every
+    beta (-1), release candidates after them, a final release last; ``None`` when unreadable
+    (``"unknown"``: no metadata)."""
+    m = re.match(r"^(\d+)\.(\d+)\.(\d+)(?:(b|rc|a|\.?dev)(\d*))?", text)
     if m is None:
         return None
-    major, minor, patch, beta = m.groups()
-    return int(major), int(minor), int(patch), int(beta) if beta is not None else float("inf")
+    major, minor, patch, kind, num = m.groups()
+    step = {None: float("inf"), "b": int(num or 0), "rc": 1e9}.get(kind, -1)
+    return int(major), int(minor), int(patch), step
 
 
 def head_dim_reason(major: int, d: int | None, dv: int | None) -> str | None:

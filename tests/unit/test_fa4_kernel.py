@@ -196,7 +196,8 @@ def test_gqa_with_mla_head_dims_not_on_sm90(fa4):
 
 @pytest.mark.parametrize("cap, version, ok", [((10, 0), "4.0.0b5", True), ((9, 0), "4.0.0b36", True),
                                               ((9, 0), "4.0.0b12", True), ((9, 0), "4.0.0b8", False),
-                                              ((9, 0), "unknown", True)])
+                                              ((9, 0), "unknown", True), ((9, 0), "4.0.0.dev5", False),
+                                              ((9, 0), "4.0.0a3", False), ((9, 0), "4.0.0rc1", True)])
 def test_deterministic_backward(fa4, monkeypatch, cap, version, ok):
     """FA4's deterministic backward: SM100, and SM90 from 4.0.0b12 (before it SM90's GQA backward
     summed dK/dV with atomics); the refusal names the installed release."""
