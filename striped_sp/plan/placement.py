@@ -172,14 +172,8 @@ def _placed_pieces(bounds: tuple, world_size: int, stripe: int, whole_max: int):
     ``(document, count)`` of the documents placed whole or cut (:func:`_whole_pieces` of the
     tables, empty pieces left out), and the striped documents."""
     placed, _, striped, _ = _place(bounds, world_size, stripe, whole_max, tables=False)
-    starts = {b: d for d, b in enumerate(bounds[:-1]) if bounds[d + 1] > b}
-    return [[(_doc_at(bounds, starts, p), c) for p, c in rows if c] for rows in placed], striped
-
-
-def _doc_at(bounds: tuple, starts: dict, pos: int) -> int:
-    """The document holding position ``pos`` (a document's start: a lookup; a cut piece's: a search)."""
-    d = starts.get(pos)
-    return d if d is not None else bisect.bisect_right(bounds, pos) - 1
+    # the document holding a piece's first position: the last one starting at or before it
+    return [[(bisect.bisect_right(bounds, p) - 1, c) for p, c in rows if c] for rows in placed], striped
 
 
 def _whole_pieces(bounds: tuple, tables: list, whole: list) -> list[list[tuple[int, int]]]:

@@ -67,8 +67,8 @@ class Prediction:
     steps: int
     compute_ms: tuple
     carried_rows: tuple
-    #: predicted from counts before the placement's fix-up (per-document stripes only), within a few
-    #: percent of the exact prediction: ruled out by :data:`COARSE_MARGIN`, never chosen
+    #: predicted from counts before the placement's fix-up (per-document stripes only, not the exact
+    #: prediction): ruled out by :data:`COARSE_MARGIN`, never chosen
     coarse: bool = False
 
     @property
@@ -104,7 +104,9 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
 
 
 def _call_ns(model: CostModel, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """:meth:`CostModel.call` of causal calls, element by element (float64; 0 where a side is 0)."""
+    """:meth:`CostModel.call` of causal calls, element by element (float64; 0 where a side is 0).
+    Not :meth:`CostModel.call_tensor`, which prices calls of under one row (a short document's
+    ``L / N`` on each rank) at 0 where ``call`` does not: the search's predictions stay what they were."""
     safe = torch.where(rows > 0, rows, torch.ones_like(rows))
     ns = model.ns_per_entry * safe * torch.minimum(keys, safe / 2 + model.causal_waste) * (1 + model.small_rows / safe)
     return torch.where((rows > 0) & (keys > 0), ns + model.call_ns, torch.zeros_like(ns))
