@@ -228,8 +228,7 @@ class RingRequest:
         gqa_probe_enabled()  # a bad $STRIPED_SP_GQA_NATIVE is refused here, not inside the ring
         # the environment may change between calls: the strict block form is read each time
         strict = strict_block_mode(call.kernel, q.device, q.dtype, max(q.size(-1), v.size(-1)), applies=(
-            self.layout.strict_block and self.causal and self.bounds is None
-            and self.window is None and not self.hierarchical))
+            self.layout.strict_block and self.causal and call.mask is None and not self.hierarchical))
         return call if strict == call.strict_block else dataclasses.replace(call, strict_block=strict)
 
     def _build_call(self, q, k, v, group, world_size: int | None = None, kernel: Kernel | None = None) -> _Call:
@@ -267,13 +266,12 @@ class RingRequest:
     def _mask(self, local_len: int, n: int) -> MaskSpec | None:
         """The checked mask of the global row, or ``None`` when it is the plain (causal or full) one
         and the layout has dense plans for it (the hierarchical ring's too: plan/grouped.py)."""
-        mask = None
-        if self.bounds is not None or self.window is not None or not self.layout.dense_plans:
-            mask = make_mask(local_len * n, n, self.layout, self.bounds, self.window, self.causal)
-            plain = mask.bounds == (0, mask.seq_len) and mask.left == -1 and mask.right == (0 if self.causal else -1)
-            if plain and self.layout.dense_plans:
-                mask = None
-        return mask
+        if self.bounds is None and self.window is None and self.layout.dense_plans:
+            return None
+        mask = make_mask(local_len * n, n, self.layout, self.bounds, self.window, self.causal)
+        plain = mask.bounds == (0, mask.seq_len) and mask.left == -1 and mask.right == (0 if self.causal else -1)
+        # a layout whose stripes depend on the row (a window hint) runs the dense plans where they are 1
+        return None if plain and self.layout.dense_row(local_len * n, n) else mask
 
     def _agree(self, q, k, v, group, call: _Call, timeout) -> None:
         """Every rank of ``group`` passed the same signature (:func:`striped_sp.engine.agreement.agree`: one

@@ -120,6 +120,12 @@ class Layout:
     #: ``q[1:]`` x ``k[:-1]``), which kernels with a bottom-right causal mask may run aligned
     strict_block: bool = False
 
+    def dense_row(self, seq_len: int, world_size: int) -> bool:
+        """Whether a row of ``seq_len`` tokens without documents or a window runs :meth:`causal_plan`
+        (the dense plans) rather than the masked plans of its runs: :attr:`dense_plans` unless the
+        layout's stripes depend on the row (a striped window hint)."""
+        return self.dense_plans
+
     def document_multiple(self, world_size: int) -> int:
         """Every document of a packed row must be a multiple of this many tokens (1: any length)."""
         return 1
@@ -292,15 +298,27 @@ class Striped(Layout):
     The default (``Striped()``, ``layout="striped"``: neither parameter given) is ``"auto"``: the
     search per packed batch, stripes of 1 on rows without documents (the dense plans, unchanged).
     Any parameter given pins it: ``stripe_size=1`` (key ``"striped:stripe=1"``) is the paper's
-    layout on every row, and a ``doc_placement`` alone keeps stripes of 1 (``"striped:place=L"``)."""
+    layout on every row, and a ``doc_placement`` alone keeps stripes of 1 (``"striped:place=L"``).
+
+    ``window`` / ``global_every`` (``"striped:window=W,global_every=K"``; ``"auto"`` stripes only): a
+    hint that the model's layers have a sliding window of ``W`` tokens (one global causal layer in
+    every ``K``), since the window is not known where the batch is sharded.  A row of one document
+    then runs the stripes :func:`~striped_sp.plan.stripe_choice.choose_stripe_size` gives for it
+    (``W / 8`` where the window layers hold enough of the entries, else 1), resolved per row length
+    (:meth:`row_stripe`); packed rows keep the search.  Every layer of the model runs those stripes:
+    the global layers run the masked plans of them, the window layers skip the ring steps past the
+    window (:meth:`window_block`)."""
 
     name = "striped"
 
-    def __init__(self, stripe_size: int | str | None = None, doc_placement=None):
+    def __init__(self, stripe_size: int | str | None = None, doc_placement=None, window: int | None = None,
+                 global_every: int | None = None):
         from .placement import check_placement, check_stripe_size
+        from .stripe_choice import check_window_hint
 
-        #: neither parameter given: the default, the per-batch search (key "striped")
-        self.default = stripe_size is None and doc_placement is None
+        #: no parameter given: the default, the per-batch search (key "striped")
+        self.default = stripe_size is None and doc_placement is None and window is None and global_every is None
+        self.window, self.global_every = check_window_hint(window, global_every)
         if stripe_size is None:  # a placement alone keeps token-by-token stripes (as before the default)
             stripe_size = "auto" if doc_placement is None else 1
         self.stripe_size = check_stripe_size(stripe_size)
@@ -318,6 +336,11 @@ class Striped(Layout):
         self.seq_multiple = 1 if self.places_documents else self.stripe_size
         self.dense_plans = self.stripe_size in (1, "auto")
         self.strict_block = self.stripe_size in (1, "auto")
+        if self.window is not None:
+            if not self.auto:
+                raise ValueError(f"layout parameter window={self.window} applies to stripe=auto (the default) only: "
+                                 f"stripe_size={self.stripe_size!r} pins the stripes it would choose")
+            self.dense_plans = False  # the row's stripes decide (dense_row)
 
     @property
     def key(self) -> str:
@@ -328,26 +351,61 @@ class Striped(Layout):
             params.append(f"stripe={self.stripe_size}")
         if self.placed != self.auto or (self.placed and self.doc_placement != "auto"):
             params.append(f"place={self.doc_placement}")  # "auto" stripes place "auto" unless told
+        if self.window is not None:
+            if params == ["stripe=auto"]:  # the default's search: "striped:window=W" says it
+                params = []
+            params.append(f"window={self.window}")
+            if self.global_every is not None:
+                params.append(f"global_every={self.global_every}")
         return self.name + (":" + ",".join(params) if params else "")
 
-    def stride(self, world_size):
-        return world_size if self.stripe_size in (1, "auto") else 1
+    def row_stripe(self, seq_len: int, world_size: int) -> int:
+        """The stripe size a row of one document of ``seq_len`` tokens runs on ``world_size`` ranks:
+        1, or with a window hint the one :func:`~striped_sp.plan.stripe_choice.choose_stripe_size`
+        gives (a power of two dividing ``seq_len / world_size``)."""
+        if not self.auto:
+            return self.stripe_size
+        if self.window is None:
+            return 1
+        from .stripe_choice import choose_stripe_size, window_layer_counts
+
+        window_layers, global_layers = window_layer_counts(self.global_every)
+        return choose_stripe_size(seq_len, world_size, packed=False, window=self.window,
+                                  window_layers=window_layers, global_layers=global_layers)
+
+    def dense_row(self, seq_len, world_size):
+        return self.dense_plans or (self.window is not None and self.row_stripe(seq_len, world_size) == 1)
 
     def window_block(self, world_size, local_len, mask=None):
-        if self.auto:  # one document: token-by-token stripes (runs); else the search's plan
-            return 1 if mask is None or len(mask.bounds) <= 2 else None
+        if self.auto:  # one document: the row's stripes (runs); else the search's plan
+            one_document = mask is None or len(mask.bounds) <= 2
+            return self.row_stripe(local_len * world_size, world_size) if one_document else None
         return None if self.placed or self.per_document else self.stripe_size
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         one_document = cu_seqlens is None or len(cu_seqlens) <= 2
-        if (self.auto and one_document) or (self.stripe_size == 1 and (not self.placed or cu_seqlens is None)):
+        stripe, placement = self.stripe_size, self.doc_placement
+        if self.auto and one_document:
+            stripe, placement = self.row_stripe(seq_len, world_size), "split"
+        if stripe == 1 and (placement == "split" or cu_seqlens is None):
             return [(0, rank, seq_len // world_size)]
         from .search import placed_runs
 
-        return placed_runs(_bounds(seq_len, cu_seqlens), world_size, self.stripe_size, self.doc_placement)[rank]
+        return placed_runs(_bounds(seq_len, cu_seqlens), world_size, stripe, placement)[rank]
+
+    def stride(self, world_size):
+        return world_size if self.stripe_size in (1, "auto") else 1
 
     def decision(self, seq_len, world_size, cu_seqlens=None):
         if cu_seqlens is None or len(cu_seqlens) <= 2:
+            if self.auto and self.window is not None:
+                stripe = self.row_stripe(seq_len, world_size)
+                every = "every layer" if self.global_every is None else f"one global layer in {self.global_every}"
+                return (f"a row of one document under the window hint {self.window} ({every}): stripes of {stripe}"
+                        + (" (the window rule of plan/stripe_choice.py: W / 8 where window layers hold at least "
+                           "20% of the entries)" if stripe > 1 else
+                           " (the window layers hold too few of the entries for larger stripes, or the row is too "
+                           "short), the dense plans on layers without a window"))
             if self.auto:
                 return ("a row of one document: stripes of 1, the dense plans (stripe_size='auto' searches "
                         "packed rows; on one document zigzag measured faster on the CPU kernel, docs/tuning.md)")
@@ -392,12 +450,13 @@ def _bounds(seq_len: int, cu_seqlens) -> tuple:
 
 def _parse_params(text: str) -> dict:
     """``"stripe=128,place=auto"`` -> ``{"stripe_size": 128, "doc_placement": "auto"}``."""
-    names = {"stripe": "stripe_size", "place": "doc_placement"}
+    names = {"stripe": "stripe_size", "place": "doc_placement", "window": "window", "global_every": "global_every"}
     params = {}
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")
         if not sep or key.strip() not in names:
-            raise ValueError(f"layout parameter {item!r}: expected stripe=<int>|doc or place=split|auto|<int>")
+            raise ValueError(f"layout parameter {item!r}: expected stripe=<int>|doc|auto, place=split|auto|<int>, "
+                             "window=<int> or global_every=<int>")
         val = val.strip()
         params[names[key.strip()]] = int(val) if re.fullmatch(r"-?[0-9]+", val) else val
     return params
@@ -414,7 +473,8 @@ def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placeme
             return layout
         base, params = layout, {}
         if isinstance(layout, Striped) and not layout.default:
-            params = {"stripe_size": layout.stripe_size, "doc_placement": layout.doc_placement}
+            params = {"stripe_size": layout.stripe_size, "doc_placement": layout.doc_placement,
+                      "window": layout.window, "global_every": layout.global_every}
     else:
         if not isinstance(layout, str):
             raise ValueError(f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}")
@@ -423,7 +483,7 @@ def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placeme
             raise ValueError(f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}")
         base, params = LAYOUTS[name], _parse_params(rest)
         if params and name != "striped":
-            raise ValueError(f"layout {layout!r}: only 'striped' takes stripe / place parameters")
+            raise ValueError(f"layout {layout!r}: only 'striped' takes stripe / place / window parameters")
     given = {k: v for k, v in (("stripe_size", stripe_size), ("doc_placement", doc_placement)) if v is not None}
     if given and not isinstance(base, Striped):
         raise ValueError(f"stripe_size / doc_placement ({given}) apply to layout 'striped' only, not {base.name!r}")

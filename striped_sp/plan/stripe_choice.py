@@ -18,7 +18,10 @@ are packed documents, and which share of its visible score entries lies in slidi
 
 from __future__ import annotations
 
-__all__ = ["WINDOW_SHARE_MIN", "MIN_STRIPE", "window_share", "choose_stripe_size"]
+import numbers
+
+__all__ = ["WINDOW_SHARE_MIN", "MIN_STRIPE", "window_share", "choose_stripe_size", "check_window_hint",
+           "window_layer_counts"]
 
 #: window layers must hold this share of the entries before stripes of W/8 pay on one document
 #: (measured crossover: one global layer in 3.05, window 4096, 65536 tokens)
@@ -64,3 +67,24 @@ def choose_stripe_size(seq_len: int, world_size: int, packed: bool, window: int 
         while stripe > 1 and seq_len % (world_size * stripe):
             stripe //= 2
     return stripe
+
+
+def check_window_hint(window, global_every) -> tuple[int | None, int | None]:
+    """The striped layout's window hint (``"striped:window=W,global_every=K"``): ``window`` the
+    model's sliding window in tokens (transformers' ``sliding_window``), ``global_every`` one global
+    causal layer in every ``K`` layers (``None``: every layer has the window).  ``ValueError`` for
+    anything but positive ints, or ``global_every`` without a ``window``."""
+    for name, value in (("window", window), ("global_every", global_every)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"layout parameter {name}={value!r} must be a positive int"
+                             + (" (the model's sliding window in tokens)" if name == "window" else
+                                " (one global layer in every K layers)"))
+    if global_every is not None and window is None:
+        raise ValueError(f"layout parameter global_every={global_every} needs window=W (the sliding window "
+                         "of the other layers)")
+    return (None if window is None else int(window)), (None if global_every is None else int(global_every))
+
+
+def window_layer_counts(global_every: int | None) -> tuple[int, int]:
+    """``(window_layers, global_layers)`` in a block of ``global_every`` layers (``None``: all windowed)."""
+    return (1, 0) if global_every is None else (global_every - 1, 1)

@@ -1,0 +1,136 @@
+"""The striped window hint (``"striped:window=W,global_every=K"``, issue 36): the default search on
+packed rows, and on a row of one document the stripes of the window rule (``W / 8`` where window
+layers hold enough of the entries), for every layer of the model: window layers skip the ring steps
+past the window, global layers run the masked plans of the same stripes.
+
+References: float64 attention on the full row (tests/support/reference.py) and positions written out
+by hand, never the module under test at CP = 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from local_exact import check_simulation_exact
+import striped_sp
+from striped_sp.engine.request import RingRequest
+from striped_sp.plan.layouts import LAYOUTS, get_layout
+from striped_sp.plan.masks import make_mask
+
+pytestmark = pytest.mark.dist
+
+
+def _stripes_by_hand(seq_len: int, n: int, rank: int, stripe: int) -> list[int]:
+    """Rank ``rank``'s positions under stripes of ``stripe`` dealt round-robin."""
+    return [p for p in range(seq_len) if (p // stripe) % n == rank]
+
+
+def test_key_round_trip_and_defaults():
+    lay = get_layout("striped:window=4096")
+    assert lay.key == "striped:window=4096" and lay.auto and not lay.default and lay.window == 4096
+    assert get_layout(lay.key).key == lay.key
+    mixed = get_layout("striped:window=4096,global_every=6")
+    assert (mixed.window, mixed.global_every, mixed.key) == (4096, 6, "striped:window=4096,global_every=6")
+    assert get_layout("striped:stripe=auto,window=4096").key == "striped:window=4096"  # the same search
+    assert get_layout("striped:stripe=auto,place=auto,window=4096").key == "striped:window=4096"
+    assert get_layout("striped") is LAYOUTS["striped"] and LAYOUTS["striped"].window is None
+    assert not lay.dense_plans and LAYOUTS["striped"].dense_plans
+
+
+@pytest.mark.parametrize("text, words", [
+    ("striped:window=0", "window=0 must be a positive int"),
+    ("striped:window=-8", "window=-8 must be a positive int"),
+    ("striped:window=big", "window='big' must be a positive int"),
+    ("striped:global_every=6", "global_every=6 needs window=W"),
+    ("striped:window=4096,global_every=0", "global_every=0 must be a positive int"),
+    ("striped:stripe=128,window=4096", "window=4096 applies to stripe=auto"),
+    ("striped:stripe=doc,window=4096", "window=4096 applies to stripe=auto"),
+    ("striped:place=split,window=4096", "window=4096 applies to stripe=auto"),
+    ("striped:place=auto,window=4096", "window=4096 applies to stripe=auto"),  # a placement alone: stripes of 1
+    ("zigzag:window=4096", "only 'striped' takes"),
+])
+def test_bad_hints_are_named(text, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        get_layout(text)
+
+
+def test_bool_window_is_refused():
+    from striped_sp.plan.layouts import Striped
+
+    with pytest.raises(ValueError, match="window=True must be a positive int"):
+        Striped(window=True)
+
+
+@pytest.mark.parametrize("hint, seq_len, n, stripe", [
+    ("window=512", 4096, 4, 64),  # W / 8
+    ("window=4096", 65536, 8, 512),
+    ("window=8192", 65536, 8, 1024),
+    ("window=4096,global_every=6", 65536, 8, 512),  # window layers hold 38% of the entries
+    ("window=4096,global_every=2", 65536, 8, 1),  # 11%: stripes of 1 win (docs/tuning.md, K = 2)
+    ("window=1024", 2 * 96, 2, 32),  # the largest power of two under W / 8 that divides S / N
+    ("window=100", 4096, 4, 64),  # never under 64 tokens (kernel tiles)
+    ("window=512,global_every=2", 4096, 4, 1),  # window layers hold 19% of the entries
+])
+def test_one_document_rows_run_the_window_rule(hint, seq_len, n, stripe):
+    lay = get_layout(f"striped:{hint}")
+    assert lay.row_stripe(seq_len, n) == stripe
+    for r in (0, n - 1):
+        assert striped_sp.positions(seq_len, n, r, lay.key).tolist() == _stripes_by_hand(seq_len, n, r, stripe)
+    assert lay.dense_row(seq_len, n) == (stripe == 1)
+    mask = make_mask(seq_len, n, lay, window_size=(lay.window - 1, 0))
+    assert lay.window_block(n, seq_len // n, mask) == stripe
+    words = f"stripes of {stripe}"
+    assert words in lay.decision(seq_len, n) and str(lay.window) in lay.decision(seq_len, n)
+
+
+def test_packed_rows_keep_the_search():
+    bounds = [0, 40, 100, 230, 300, 420, 500, 610, 700, 800, 880, 1024]
+    hinted = get_layout("striped:window=512")
+    for r in range(2):
+        assert torch.equal(striped_sp.positions(1024, 2, r, hinted.key, cu_seqlens=bounds),
+                           striped_sp.positions(1024, 2, r, "striped", cu_seqlens=bounds))
+    assert hinted.decision(1024, 2, bounds) == LAYOUTS["striped"].decision(1024, 2, bounds)
+
+
+def test_window_layers_skip_the_steps_past_the_window():
+    lay = get_layout("striped:window=512")  # stripes of 64 on 4 ranks of 1024 tokens
+    mask = make_mask(4096, 4, lay, window_size=(100, 0))
+    assert lay.ring_steps(4, 1024, mask) == 3  # ceil(100 / 64) + 1
+    assert lay.ring_steps(4, 1024, make_mask(4096, 4, lay)) == 4
+
+
+def test_the_global_layers_run_masked_plans_only_where_the_stripes_are_larger_than_one():
+    def mask_of(layout, seq_len, n):
+        return RingRequest(None, layout=layout)._mask(seq_len // n, n)
+
+    assert mask_of("striped:window=512", 4096, 4) is not None  # stripes of 64: the masked plans
+    assert mask_of("striped:window=512,global_every=2", 4096, 4) is None  # stripes of 1: the dense plans
+    assert mask_of("striped", 4096, 4) is None
+
+
+# one row of 512 tokens per rank: stripes of 64 under window=512; stripes of 1 under global_every=2
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("layer", [
+    {"window_size": (100, 0)},  # a window layer
+    {},  # a global causal layer of the same model
+    {"docs": True},  # a packed row: the search
+    {"docs": True, "window_size": (50, 0)},
+    {"causal": False},
+])
+def test_exact_against_float64(n, layer):
+    per_rank = 256 if n == 8 else 512
+    check_simulation_exact(n, per_rank, dict(layer, layout="striped:window=512"), f"hint-{n}-{sorted(layer)}",
+                           heads=4, kv_heads=2)
+
+
+@pytest.mark.parametrize("hint", ["striped:window=512,global_every=2", "striped:window=2048"])
+def test_exact_with_other_resolved_stripes(hint):
+    for layer in ({"window_size": (300, 0)}, {}):
+        check_simulation_exact(4, 1024, dict(layer, layout=hint), f"{hint}-{sorted(layer)}", heads=4, kv_heads=4)
+
+
+@pytest.mark.parametrize("hint", ["striped:window=512", "striped:window=512,global_every=2"])  # stripes of 64, of 1
+def test_exact_under_ulysses(hint):
+    for layer in ({"window_size": (100, 0)}, {}):
+        check_simulation_exact(4, 1024, dict(layer, layout=hint, ulysses_size=2), f"{hint}-ulysses-{sorted(layer)}",
+                               heads=4, kv_heads=2)
