@@ -28,13 +28,17 @@ def stripe_policy(layout_key: str) -> str:
         policy = ("stripe size auto: per packed batch, the stripe size, per-document stripes or whole-document "
                   "placement the cost model predicts fastest (plan.search); rows "
                   "of one document token by token")
+        if layout.window is not None:  # the window hint (a model with sliding-window layers)
+            every = "every layer" if layout.global_every is None else f"one global layer in {layout.global_every}"
+            policy = policy.replace("token by token", f"in stripes of about W / 8 (the window hint W = {layout.window}, "
+                                    f"{every}; 1 where window layers hold under 20% of the entries)")
     elif stripe == "doc":
         policy = "per-document stripes: 2N per document, dealt to ranks 0..N-1 and back"
     elif stripe == 1:
         policy = "stripe size 1 (token by token)"
     else:
         policy = f"stripes of {stripe} tokens"
-    if getattr(layout, "default", False):  # no stripe size given: the layout's default policy
+    if getattr(layout, "default", False) or getattr(layout, "window", None):  # no stripe size given: the default
         policy = "no stripe size given, so " + policy
     place = getattr(layout, "doc_placement", "split")
     if place == "auto" and stripe != "auto":

@@ -47,6 +47,7 @@ from .config import ContextParallelSettings, check_requested, load_config, parse
 from .data import ShardingCollator
 from .env import skip_cpu_shm_comm_build
 from .groups import sequence_parallel_groups
+from .window_hint import with_model_window
 
 __all__ = ["enable_accelerate", "EpochDataLoader", "deepspeed_config_of"]
 
@@ -130,14 +131,14 @@ def _drop_auto_values(config: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _deepspeed_initialize_is_ours(autos: dict):
+def _deepspeed_initialize_is_ours(autos: dict, settings: ContextParallelSettings):
     """Inside: ``deepspeed.initialize`` is :func:`striped_sp.deepspeed.initialize` (accelerate looks
     it up at call time), dropping accelerate's ``train_batch_size`` under SP and putting back the
     section's ``"auto"`` values (``autos``) that accelerate was not shown."""
     import deepspeed
 
     from .config import SECTION
-    from .initialize import initialize
+    from .initialize import LOADER_WINDOW_HINT, initialize
 
     def ours(*args, **kwargs):
         cfg = kwargs.get("config_params", kwargs.get("config"))
@@ -146,7 +147,12 @@ def _deepspeed_initialize_is_ours(autos: dict):
             cfg[SECTION] = {**cfg.get(SECTION, {}), **autos}
             kwargs["config_params" if "config_params" in kwargs else "config"] = cfg
         deepspeed.initialize = original  # ours calls DeepSpeed's
-        return initialize(*args, **kwargs)
+        # the attention runs the layout the loaders were made with (their window hint, or none)
+        token = LOADER_WINDOW_HINT.set((settings.window, settings.global_every))
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            LOADER_WINDOW_HINT.reset(token)
 
     original = deepspeed.initialize
     deepspeed.initialize = ours
@@ -156,11 +162,14 @@ def _deepspeed_initialize_is_ours(autos: dict):
         deepspeed.initialize = original
 
 
-def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> ContextParallelSettings:
+def enable_accelerate(accelerator, seed: int = 0, config: Any = None, model: Any = None) -> ContextParallelSettings:
     """Make ``accelerator.prepare`` set up striped context parallelism from its DeepSpeed config
     (or ``config``, a dict or JSON path).  Call it before ``prepare``; every rank must.
 
-    ``seed``: the data-parallel sampler's shuffle seed.  Returns the parsed settings.  Raises
+    ``seed``: the data-parallel sampler's shuffle seed.  ``model``: the transformers model to be
+    prepared, whose sliding window (if any) the striped default's layout takes as a hint
+    (:mod:`.window_hint`; without it the default runs as for a model without a window).  Returns the
+    parsed settings.  Raises
     ``ValueError`` (before any collective) for a bad ``context_parallel`` section, an SP size not
     dividing the world, ``split_batches=True``, or a ``parallelism_config`` that also splits the
     sequence or the heads.
@@ -169,7 +178,7 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
 
     cfg = load_config(deepspeed_config_of(accelerator) if config is None else config)
     check_requested(cfg)
-    settings = parse_config(cfg, world_size=accelerator.num_processes)
+    settings = with_model_window(parse_config(cfg, world_size=accelerator.num_processes), model)
     _check_accelerator(accelerator, settings)
     autos = _drop_auto_values(deepspeed_config_of(accelerator))
     if getattr(accelerator, "_striped_sp", None) is not None:
@@ -198,7 +207,7 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None) -> Context
         return loader
 
     def _prepare_deepspeed(self, *args):
-        with _deepspeed_initialize_is_ours(autos):
+        with _deepspeed_initialize_is_ours(autos, settings):
             return prepare_deepspeed(*args)
 
     accelerator.prepare_data_loader = types.MethodType(prepare_data_loader, accelerator)

@@ -60,14 +60,26 @@ class ContextParallelSettings:
     #: striped only, packed rows: ``"split"`` (every document striped), ``"auto"`` or an int (documents
     #: of at most that many tokens kept whole on one rank, dealt by a balancing solver); ``None``: the default
     doc_placement: str | int | None = None
+    #: not a JSON key: the striped default's window hint, set from a transformers model's
+    #: ``sliding_window`` and ``layer_types`` where the model is adapted (:mod:`.window_hint`):
+    #: the window in tokens and one global layer in every ``global_every`` (``None``: none)
+    window: int | None = None
+    global_every: int | None = None
 
     @property
     def layout(self) -> str:
         """The core layout key: ``"striped"`` (the default: per packed batch the plan the cost model
-        predicts fastest), ``"zigzag"``, ``"contiguous"``, or with the striped parameters given e.g.
+        predicts fastest), ``"striped:window=4096,global_every=6"`` (the default with a model's window
+        hint), ``"zigzag"``, ``"contiguous"``, or with the striped parameters given e.g.
         ``"striped:stripe=4,place=auto"``, ``"striped:stripe=1"`` (pinned)."""
-        if ALGOS[self.algo] != "striped" or (self.stripe_size is None and self.doc_placement is None):
+        if ALGOS[self.algo] != "striped":
             return ALGOS[self.algo]
+        if self.stripe_size is None and self.doc_placement is None:
+            if self.window is None:
+                return ALGOS[self.algo]
+            from ..plan.layouts import Striped
+
+            return Striped(window=self.window, global_every=self.global_every).key
         return get_layout(ALGOS[self.algo], self.stripe_size, self.doc_placement).key
 
     @property

@@ -17,7 +17,9 @@ Order of work (all validation before the first collective):
 
 from __future__ import annotations
 
+import contextvars
 import copy
+import dataclasses
 import warnings
 from typing import Any
 
@@ -30,12 +32,25 @@ from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
 from .groups import SequenceParallelGroups, sequence_parallel_groups, ulysses_groups
 from .report import announce
+from .window_hint import with_model_window
 from .data import IGNORE_INDEX, ShardedDataLoader
 from .zero import check_sequence_parallel_settings, fix_zero3_sequence_parallel_grads
 
 __all__ = ["initialize", "adapt_model", "global_loss_hook", "check_model_heads"]
 
 _DEFAULT_PORT = 29500
+
+#: set by :func:`~striped_sp.deepspeed.enable_accelerate`'s ``deepspeed.initialize`` wrapper to the
+#: window hint ``(window, global_every)`` its data loaders were made with, so that the attention
+#: runs their layout whatever the model says; ``None``: the hint comes from the model here
+LOADER_WINDOW_HINT: contextvars.ContextVar = contextvars.ContextVar("striped_sp_loader_window_hint", default=None)
+
+
+def _with_window(settings: ContextParallelSettings, model) -> ContextParallelSettings:
+    fixed = LOADER_WINDOW_HINT.get()
+    if fixed is None:
+        return with_model_window(settings, model)
+    return dataclasses.replace(settings, window=fixed[0], global_every=fixed[1])
 
 
 def _resolve_config(args, config, config_params):
@@ -236,7 +251,7 @@ def initialize(
         raise ValueError("initialize needs a model")
     args, cfg = _resolve_config(args, config, config_params)
     check_requested(cfg)
-    settings = parse_config(cfg)
+    settings = _with_window(parse_config(cfg), model)
     if settings.enabled and mesh_param is not None:
         raise ValueError("mesh_param and sequence_parallel_size > 1 do not mix: the SP groups come from the config")
     if settings.enabled:
@@ -247,7 +262,7 @@ def initialize(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port, dist_init_required=dist_init_required,
     )
-    settings = parse_config(cfg, world_size=dist.get_world_size())
+    settings = _with_window(parse_config(cfg, world_size=dist.get_world_size()), model)
     if settings.enabled:
         cfg.pop("data_parallel_size", None)  # checked above; the groups come through mpu, not a mesh
     groups = sequence_parallel_groups(settings.sequence_parallel_size, mpu)

@@ -46,6 +46,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 from .accelerate import enable_accelerate
 from .config import check_requested, load_config, parse_config
 from .initialize import check_model_heads
+from .window_hint import with_model_window
 from .trainer_guard import building_ours
 from .zero import check_sequence_parallel_settings
 
@@ -102,14 +103,17 @@ class ContextParallelTrainer(Trainer):
             raise ValueError("ContextParallelTrainer needs args=TrainingArguments(deepspeed=...)")
         self.context_parallel = check_training_arguments(training_args, kwargs.get("compute_loss_func"))
         model = kwargs.get("model", args[0] if args else None)
-        if model is not None and not isinstance(model, str):
+        self._striped_sp_model = None if isinstance(model, str) else model
+        if self._striped_sp_model is not None:
             check_model_heads(model, self.context_parallel)
+            self.context_parallel = with_model_window(self.context_parallel, model)
         with building_ours():  # the guard on plain Trainers given our JSON lets this one pass
             super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        enable_accelerate(self.accelerator, seed=self.args.seed, config=self.args.hf_deepspeed_config.config)
+        enable_accelerate(self.accelerator, seed=self.args.seed, config=self.args.hf_deepspeed_config.config,
+                          model=self._striped_sp_model)
 
     def get_total_train_batch_size(self, args) -> int:
         return super().get_total_train_batch_size(args) // self.context_parallel.sequence_parallel_size
