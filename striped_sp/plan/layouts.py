@@ -362,16 +362,18 @@ class Striped(Layout):
     def row_stripe(self, seq_len: int, world_size: int) -> int:
         """The stripe size a row of one document of ``seq_len`` tokens runs on ``world_size`` ranks:
         1, or with a window hint the one :func:`~striped_sp.plan.stripe_choice.choose_stripe_size`
-        gives (a power of two dividing ``seq_len / world_size``)."""
+        gives (a power of two dividing ``seq_len / world_size``; 1 where it would be under
+        :data:`~striped_sp.plan.stripe_choice.MIN_STRIPE`)."""
         if not self.auto:
             return self.stripe_size
         if self.window is None:
             return 1
-        from .stripe_choice import choose_stripe_size, window_layer_counts
+        from .stripe_choice import MIN_STRIPE, choose_stripe_size, window_layer_counts
 
         window_layers, global_layers = window_layer_counts(self.global_every)
-        return choose_stripe_size(seq_len, world_size, packed=False, window=self.window,
-                                  window_layers=window_layers, global_layers=global_layers)
+        stripe = choose_stripe_size(seq_len, world_size, packed=False, window=self.window,
+                                    window_layers=window_layers, global_layers=global_layers)
+        return stripe if stripe >= MIN_STRIPE else 1  # a row whose S / N no stripe of 64+ divides
 
     def dense_row(self, seq_len, world_size):
         return self.dense_plans or (self.window is not None and self.row_stripe(seq_len, world_size) == 1)

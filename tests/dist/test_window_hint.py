@@ -67,7 +67,8 @@ def test_bool_window_is_refused():
     ("window=8192", 65536, 8, 1024),
     ("window=4096,global_every=6", 65536, 8, 512),  # window layers hold 38% of the entries
     ("window=4096,global_every=2", 65536, 8, 1),  # 11%: stripes of 1 win (docs/tuning.md, K = 2)
-    ("window=1024", 2 * 96, 2, 32),  # the largest power of two under W / 8 that divides S / N
+    ("window=1024", 2 * 192, 2, 64),  # the largest power of two under W / 8 that divides S / N
+    ("window=1024", 2 * 96, 2, 1),  # none of 64 or more divides S / N: stripes of 1
     ("window=100", 4096, 4, 64),  # never under 64 tokens (kernel tiles)
     ("window=512,global_every=2", 4096, 4, 1),  # window layers hold 19% of the entries
 ])
