@@ -30,7 +30,7 @@ def stripe_policy(layout_key: str) -> str:
                   "of one document token by token")
         if layout.window is not None:  # the window hint (a model with sliding-window layers)
             every = "every layer" if layout.global_every is None else f"one global layer in {layout.global_every}"
-            policy = policy.replace("token by token", f"in stripes of about W / 8 (the window hint W = {layout.window}, "
+            policy = policy.replace("token by token", f"in stripes of about W / 4 (the window hint W = {layout.window}, "
                                     f"{every}; 1 where window layers hold under 20% of the entries)")
     elif stripe == "doc":
         policy = "per-document stripes: 2N per document, dealt to ranks 0..N-1 and back"

@@ -38,8 +38,8 @@ def setup(cfg, device: torch.device) -> None:
 
 def resolve_auto(cfg, row: TrainRow) -> str:
     """The layout key of ``--striped-stripe-size auto`` for this row and model
-    (:func:`striped_sp.megatron.algo_of`: the per-batch search on packed rows, stripes of W/8 for a
-    window model, else token by token)."""
+    (:func:`striped_sp.megatron.algo_of`: the per-batch search on packed rows, stripes of W/8 (packed)
+    or W/4 (one document) for a window model, else token by token)."""
     import argparse
 
     import striped_sp.megatron as sm

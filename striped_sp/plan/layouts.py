@@ -304,7 +304,7 @@ class Striped(Layout):
     hint that the model's layers have a sliding window of ``W`` tokens (one global causal layer in
     every ``K``), since the window is not known where the batch is sharded.  A row of one document
     then runs the stripes :func:`~striped_sp.plan.stripe_choice.choose_stripe_size` gives for it
-    (``W / 8`` where the window layers hold enough of the entries, else 1), resolved per row length
+    (``W / 4`` where the window layers hold enough of the entries, else 1), resolved per row length
     (:meth:`row_stripe`); packed rows keep the search.  Every layer of the model runs those stripes:
     the global layers run the masked plans of them, the window layers skip the ring steps past the
     window (:meth:`window_block`)."""
@@ -404,7 +404,7 @@ class Striped(Layout):
                 stripe = self.row_stripe(seq_len, world_size)
                 every = "every layer" if self.global_every is None else f"one global layer in {self.global_every}"
                 return (f"a row of one document under the window hint {self.window} ({every}): stripes of {stripe}"
-                        + (" (the window rule of plan/stripe_choice.py: W / 8 where window layers hold at least "
+                        + (" (the window rule of plan/stripe_choice.py: W / 4 where window layers hold at least "
                            "20% of the entries)" if stripe > 1 else
                            " (the window layers hold too few of the entries for larger stripes, or the row is too "
                            "short), the dense plans on layers without a window"))

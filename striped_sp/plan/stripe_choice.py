@@ -9,10 +9,14 @@ are packed documents, and which share of its visible score entries lies in slidi
   :mod:`striped_sp.plan.search` (stripe size and whole-document placement by the kernel's cost
   model; per-document stripes measured fastest of the fixed choices); on a single-document row the
   paper's token-by-token stripes (1), which run the dense causal plans;
-* window layers of ``W`` keys holding at least :data:`WINDOW_SHARE_MIN` of the entries, or any
-  window on packed rows: stripes of ``W / 8`` (a power of two, at least :data:`MIN_STRIPE`), so
-  that a query's band lies in a few stripes (1.21x zigzag for one document at one global layer in
-  six, 1.36x on the web mix);
+* any window on packed rows: stripes of ``W / 8`` (a power of two, at least :data:`MIN_STRIPE`), so
+  that a query's band lies in a few stripes (1.36x zigzag on the web mix);
+* one document, window layers of ``W`` keys holding at least :data:`WINDOW_SHARE_MIN` of the
+  entries: stripes of ``W / 4`` (the same bounds).  ``W / 8`` measured 1.21x zigzag at one global
+  layer in six, ``W / 2`` 1.35x with no global layer; a later run (N = 8, W = 4096, a loaded
+  machine) put ``W / 4`` 7% ahead of ``W / 8`` at one global layer in six and within 1% of the best
+  without global layers, and at N = 2 (W = 1024, a quiet machine) 9% ahead without global layers
+  (docs/results.md, "One document with a window: the stripe size");
 * otherwise 1.
 """
 
@@ -23,7 +27,7 @@ import numbers
 __all__ = ["WINDOW_SHARE_MIN", "MIN_STRIPE", "window_share", "choose_stripe_size", "check_window_hint",
            "window_layer_counts"]
 
-#: window layers must hold this share of the entries before stripes of W/8 pay on one document
+#: window layers must hold this share of the entries before stripes pay on one document
 #: (measured crossover: one global layer in 3.05, window 4096, 65536 tokens)
 WINDOW_SHARE_MIN = 0.20
 #: smaller stripes than this cost more per entry than they gain (kernel tiles)
@@ -61,7 +65,7 @@ def choose_stripe_size(seq_len: int, world_size: int, packed: bool, window: int 
     if window is None or window_layers == 0 or (not packed and share < WINDOW_SHARE_MIN):
         return "auto" if packed else 1
     stripe = MIN_STRIPE
-    while stripe * 2 <= window // 8:
+    while stripe * 2 <= window // (8 if packed else 4):
         stripe *= 2
     if not packed:  # a plain striped row needs S % (N * s) == 0
         while stripe > 1 and seq_len % (world_size * stripe):

@@ -1,5 +1,5 @@
 """The striped window hint (``"striped:window=W,global_every=K"``, issue 36): the default search on
-packed rows, and on a row of one document the stripes of the window rule (``W / 8`` where window
+packed rows, and on a row of one document the stripes of the window rule (``W / 4`` where window
 layers hold enough of the entries), for every layer of the model: window layers skip the ring steps
 past the window, global layers run the masked plans of the same stripes.
 
@@ -62,12 +62,12 @@ def test_bool_window_is_refused():
 
 
 @pytest.mark.parametrize("hint, seq_len, n, stripe", [
-    ("window=512", 4096, 4, 64),  # W / 8
-    ("window=4096", 65536, 8, 512),
-    ("window=8192", 65536, 8, 1024),
-    ("window=4096,global_every=6", 65536, 8, 512),  # window layers hold 38% of the entries
+    ("window=512", 4096, 4, 128),  # W / 4
+    ("window=4096", 65536, 8, 1024),
+    ("window=8192", 65536, 8, 2048),
+    ("window=4096,global_every=6", 65536, 8, 1024),  # window layers hold 38% of the entries
     ("window=4096,global_every=2", 65536, 8, 1),  # 11%: stripes of 1 win (docs/tuning.md, K = 2)
-    ("window=1024", 2 * 192, 2, 64),  # the largest power of two under W / 8 that divides S / N
+    ("window=1024", 2 * 192, 2, 64),  # the largest power of two under W / 4 that divides S / N
     ("window=1024", 2 * 96, 2, 1),  # none of 64 or more divides S / N: stripes of 1
     ("window=100", 4096, 4, 64),  # never under 64 tokens (kernel tiles)
     ("window=512,global_every=2", 4096, 4, 1),  # window layers hold 19% of the entries
@@ -94,9 +94,9 @@ def test_packed_rows_keep_the_search():
 
 
 def test_window_layers_skip_the_steps_past_the_window():
-    lay = get_layout("striped:window=512")  # stripes of 64 on 4 ranks of 1024 tokens
+    lay = get_layout("striped:window=256")  # stripes of 64 on 4 ranks of 1024 tokens
     mask = make_mask(4096, 4, lay, window_size=(100, 0))
-    assert lay.ring_steps(4, 1024, mask) == 3  # ceil(100 / 64) + 1
+    assert lay.row_stripe(4096, 4) == 64 and lay.ring_steps(4, 1024, mask) == 3  # ceil(100 / 64) + 1
     assert lay.ring_steps(4, 1024, make_mask(4096, 4, lay)) == 4
 
 
@@ -104,12 +104,12 @@ def test_the_global_layers_run_masked_plans_only_where_the_stripes_are_larger_th
     def mask_of(layout, seq_len, n):
         return RingRequest(None, layout=layout)._mask(seq_len // n, n)
 
-    assert mask_of("striped:window=512", 4096, 4) is not None  # stripes of 64: the masked plans
+    assert mask_of("striped:window=512", 4096, 4) is not None  # stripes of 128: the masked plans
     assert mask_of("striped:window=512,global_every=2", 4096, 4) is None  # stripes of 1: the dense plans
     assert mask_of("striped", 4096, 4) is None
 
 
-# one row of 512 tokens per rank: stripes of 64 under window=512; stripes of 1 under global_every=2
+# one row of 512 (N = 8: 256) tokens per rank: stripes of 128 (64) under window=512
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("layer", [
     {"window_size": (100, 0)},  # a window layer
@@ -130,8 +130,17 @@ def test_exact_with_other_resolved_stripes(hint):
         check_simulation_exact(4, 1024, dict(layer, layout=hint), f"{hint}-{sorted(layer)}", heads=4, kv_heads=4)
 
 
-@pytest.mark.parametrize("hint", ["striped:window=512", "striped:window=512,global_every=2"])  # stripes of 64, of 1
+@pytest.mark.parametrize("hint", ["striped:window=512", "striped:window=512,global_every=2"])  # stripes of 128, of 1
 def test_exact_under_ulysses(hint):
     for layer in ({"window_size": (100, 0)}, {}):
         check_simulation_exact(4, 1024, dict(layer, layout=hint, ulysses_size=2), f"{hint}-ulysses-{sorted(layer)}",
                                heads=4, kv_heads=2)
+
+
+def test_bench_plan_lines_name_the_stripes_a_row_of_one_document_runs():
+    from striped_sp.bench.report import plan_report
+
+    assert plan_report("striped:window=1024", (0, 8192), 2, False, 8)["plan"].endswith(
+        "one document: stripes of 256 (the window hint)")
+    assert plan_report("striped:stripe=auto", (0, 8192), 2, False, 8)["plan"].endswith("one document: stripes of 1")
+    assert "stripe_size doc" in plan_report("striped:window=1024", (0, 100, 8192), 2, False, 8)["plan"]

@@ -19,10 +19,10 @@ def test_window_share_against_a_hand_count():
 @pytest.mark.parametrize("seq, n, packed, window, wl, gl, expect", [
     (65536, 8, True, None, 0, 1, "auto"),         # packed, no window: the per-batch search
     (65536, 8, False, None, 0, 1, 1),             # one document, no window: the paper's layout
-    (65536, 8, False, 4096, 1, 0, 512),           # all layers windowed: W/8
-    (65536, 8, False, 4096, 5, 1, 512),           # one global layer in 6: share 0.38
+    (65536, 8, False, 4096, 1, 0, 1024),          # all layers windowed: W/4
+    (65536, 8, False, 4096, 5, 1, 1024),          # one global layer in 6: share 0.38
     (65536, 8, False, 4096, 1, 1, 1),             # one in 2: share 0.11, below the crossover
-    (65536, 8, True, 4096, 1, 1, 512),            # packed rows: stripes at any share
+    (65536, 8, True, 4096, 1, 1, 512),            # packed rows: W/8 at any share
     (65536, 8, False, 256, 1, 0, 64),             # never below MIN_STRIPE
     (8 * 3 * 64, 8, False, 4096, 1, 0, 64),       # S / N = 192: the largest power of two dividing it
     (8 * 3 * 16, 8, False, 4096, 1, 0, 16),
@@ -34,7 +34,7 @@ def test_choose_stripe_size(seq, n, packed, window, wl, gl, expect):
 def test_crossover_is_the_documented_share():
     seq, w = 65536, 4096
     k_lo = next(k for k in range(1, 20) if window_share(seq, w, k, 1) >= WINDOW_SHARE_MIN)
-    assert choose_stripe_size(seq, 8, False, w, k_lo, 1) == 512
+    assert choose_stripe_size(seq, 8, False, w, k_lo, 1) == 1024
     assert choose_stripe_size(seq, 8, False, w, k_lo - 1, 1) == 1
 
 
@@ -44,7 +44,7 @@ def test_crossover_is_the_documented_share():
 ])
 def test_exactly_the_documented_share_takes_stripes(seq, window, wl, gl, n, stripe):
     """docs/tuning.md, "Stripe size": window layers holding *at least* WINDOW_SHARE_MIN (20%) of the
-    entries take stripes of W / 8; at exactly 0.20 (a ratio the float division gives exactly) the
+    entries take stripes of W / 4; at exactly 0.20 (a ratio the float division gives exactly) the
     row is striped, one global layer more drops below the share and back to stripes of 1."""
     assert window_share(seq, window, wl, gl) == WINDOW_SHARE_MIN == 0.20
     assert choose_stripe_size(seq, n, False, window, wl, gl) == stripe
@@ -75,11 +75,12 @@ def _megatron_args(**kw):
 @pytest.mark.parametrize("kw, key", [
     ({}, "striped"),
     ({"sft": True}, "striped:stripe=auto"),
-    ({"window_size": (4096, 0)}, "striped:stripe=512"),
-    ({"window_size": (4096, 0), "window_attn_skip_freq": 6}, "striped:stripe=512"),   # 10 of 12 windowed
+    ({"window_size": (4096, 0)}, "striped:stripe=1024"),
+    ({"window_size": (4096, 0), "window_attn_skip_freq": 6}, "striped:stripe=1024"),  # 10 of 12 windowed
+    ({"window_size": (4096, 0), "sft": True}, "striped:stripe=512"),                  # packed rows: W/8
     ({"window_size": (4096, 0), "window_attn_skip_freq": 2}, "striped"),               # 6 of 12: share 0.11
     ({"window_size": (4096, 0), "window_attn_skip_freq": [1, 0] * 6}, "striped"),
-    ({"window_size": (4096, 0), "window_attn_skip_freq": [1] * 11 + [0]}, "striped:stripe=512"),
+    ({"window_size": (4096, 0), "window_attn_skip_freq": [1] * 11 + [0]}, "striped:stripe=1024"),
 ])
 def test_megatron_auto_flag(kw, key):
     import striped_sp.megatron as sm
