@@ -31,14 +31,15 @@ def stripe_policy(layout_key: str) -> str:
         if layout.window is not None:  # the window hint (a model with sliding-window layers)
             every = "every layer" if layout.global_every is None else f"one global layer in {layout.global_every}"
             policy = policy.replace("token by token", f"in stripes of about W / 4 (the window hint W = {layout.window}, "
-                                    f"{every}; 1 where window layers hold under 20% of the entries)")
+                                    f"{every}; 1 where window layers hold under 20% of the entries or no stripe of 64 or more "
+                                    "divides the tokens per rank)")
     elif stripe == "doc":
         policy = "per-document stripes: 2N per document, dealt to ranks 0..N-1 and back"
     elif stripe == 1:
         policy = "stripe size 1 (token by token)"
     else:
         policy = f"stripes of {stripe} tokens"
-    if getattr(layout, "default", False) or getattr(layout, "window", None):  # no stripe size given: the default
+    if getattr(layout, "default", False) or layout.key.startswith("striped:window="):  # no stripe size given
         policy = "no stripe size given, so " + policy
     place = getattr(layout, "doc_placement", "split")
     if place == "auto" and stripe != "auto":

@@ -94,7 +94,9 @@ def simulate_mixed(cfg, tokens_per_rank: list[int], docs: str | None, window: in
     cfg = dataclasses.replace(cfg, reference=False)
     window_recs = simulate_masked(cfg, tokens_per_rank, docs, window, seed)
     # the global layer: dense plans where the engine runs them (one document, a layout that has them)
-    dense = [lay for lay in cfg.layouts if docs is None and get_layout(lay).dense_plans]
+    # (a window hint's layout: where every row resolves to stripes of 1)
+    dense = [lay for lay in cfg.layouts if docs is None and all(
+        get_layout(lay).dense_row(n * t, n) for n in cfg.world_sizes for t in tokens_per_rank)]
     masked = [lay for lay in cfg.layouts if lay not in dense]
     global_recs = []
     if masked:

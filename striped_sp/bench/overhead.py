@@ -346,7 +346,7 @@ class _Layer:
         self.device, self.dtype, self.d = device, dtype, d
         self.mask = request._mask(local, n)
         self.strict = strict_block_mode(self.kernel, device, dtype, d, applies=(
-            request.layout.strict_block and request.causal and request.bounds is None and request.window is None))
+            request.layout.strict_block and request.causal and self.mask is None and not request.hierarchical))
         self.scale = d ** -0.5
         self.heads = cfg.heads
         self.comm = accumulator_dtype(dtype)

@@ -64,7 +64,9 @@ class PredictShape:
 def _hosts(layout: str, world_size: int, local_len: int, bounds) -> list:
     lay = get_layout(layout)
     seq = world_size * local_len
-    mask = None if bounds is None else make_mask(seq, world_size, lay, list(bounds))
+    # the engine's rule (RingRequest._mask): the dense plans only where the layout has them for the row
+    mask = None if bounds is None and lay.dense_row(seq, world_size) else make_mask(
+        seq, world_size, lay, None if bounds is None else list(bounds))
     return [build_host_plan(lay, mask, True, world_size, r, local_len) for r in range(world_size)]
 
 

@@ -80,7 +80,7 @@ def profiled_step(q, k, v, dout, group, layout, kernel, clock):
         t.grad = None
     transport = TorchTransport(group, ring_timeout())
     lay, n = get_layout(layout), transport.world_size
-    mask = None if lay.dense_plans else make_mask(q.size(1) * n, n, lay)
+    mask = None if lay.dense_row(q.size(1) * n, n) else make_mask(q.size(1) * n, n, lay)
     strict = _step.strict_block_mode(kernel, q.device, q.dtype, q.size(-1),
                                      applies=lay.strict_block and mask is None)
     plan = build_ring_plan(lay, mask, True, n, transport.rank, q.size(1), kernel=kernel, scale=q.size(-1) ** -0.5,

@@ -46,11 +46,13 @@ _DEFAULT_PORT = 29500
 LOADER_WINDOW_HINT: contextvars.ContextVar = contextvars.ContextVar("striped_sp_loader_window_hint", default=None)
 
 
-def _with_window(settings: ContextParallelSettings, model) -> ContextParallelSettings:
+def _with_window(settings: ContextParallelSettings, model, training_data) -> ContextParallelSettings:
+    """The settings with the model's window hint where this call builds the loader (``training_data``),
+    the loaders' hint under accelerate's wrapper, else as parsed (the user shards in ``"striped"``)."""
     fixed = LOADER_WINDOW_HINT.get()
-    if fixed is None:
-        return with_model_window(settings, model)
-    return dataclasses.replace(settings, window=fixed[0], global_every=fixed[1])
+    if fixed is not None:
+        return dataclasses.replace(settings, window=fixed[0], global_every=fixed[1])
+    return settings if training_data is None else with_model_window(settings, model)
 
 
 def _resolve_config(args, config, config_params):
@@ -251,7 +253,7 @@ def initialize(
         raise ValueError("initialize needs a model")
     args, cfg = _resolve_config(args, config, config_params)
     check_requested(cfg)
-    settings = _with_window(parse_config(cfg), model)
+    settings = _with_window(parse_config(cfg), model, training_data)
     if settings.enabled and mesh_param is not None:
         raise ValueError("mesh_param and sequence_parallel_size > 1 do not mix: the SP groups come from the config")
     if settings.enabled:
@@ -262,7 +264,7 @@ def initialize(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port, dist_init_required=dist_init_required,
     )
-    settings = _with_window(parse_config(cfg, world_size=dist.get_world_size()), model)
+    settings = _with_window(parse_config(cfg, world_size=dist.get_world_size()), model, training_data)
     if settings.enabled:
         cfg.pop("data_parallel_size", None)  # checked above; the groups come through mpu, not a mesh
     groups = sequence_parallel_groups(settings.sequence_parallel_size, mpu)

@@ -10,8 +10,14 @@ rows searched as without it.  The model's text config says it:
 * ``sliding_window=W`` (an int; ``None`` or absent: no window);
 * ``layer_types`` (transformers 5: ``"sliding_attention"`` / ``"full_attention"`` per layer, as
   Gemma 2/3, Qwen2 with ``use_sliding_window``, GPT-OSS give): ``K`` is the layer count over the
-  global layers' count, rounded; no sliding layer: no hint; no global layer: every layer windowed;
+  global layers' count, rounded; no sliding layer, or more global layers than sliding ones (their
+  window share is then far under the rule's 20% on rows much longer than the window): no hint; no
+  global layer: every layer windowed;
 * no ``layer_types``: every layer has the window (Mistral), unless ``use_sliding_window`` is False.
+
+Only where the route also shards the batches: ``initialize`` with ``training_data`` (its loader),
+the Trainer and accelerate routes (their loaders).  A user who shards batches themselves was told to
+shard in ``"striped"``; ``initialize`` without ``training_data`` keeps that layout.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ __all__ = ["model_window", "with_model_window"]
 
 def model_window(model) -> tuple[int, int | None] | None:
     """``(W, K)`` of a transformers model (module notes), ``K = None`` when every layer has the
-    window; ``None`` for a model without a window or without a config."""
+    window; ``None`` for a model without a window, or one that is not a transformers model (a
+    ``DistributedAttention`` model's ``config`` may mean anything)."""
     config = getattr(model, "config", None)
-    if config is None:
+    if config is None or not hasattr(model, "set_attn_implementation"):
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(text, "sliding_window", None)
@@ -38,7 +45,7 @@ def model_window(model) -> tuple[int, int | None] | None:
     if isinstance(types, (list, tuple)) and types:
         local = sum(t == "sliding_attention" for t in types)
         full = sum(t == "full_attention" for t in types)
-        if local == 0:
+        if local == 0 or full > local:
             return None
         return int(window), (None if full == 0 else max(2, round((local + full) / full)))
     if getattr(text, "use_sliding_window", True) is False:

@@ -319,6 +319,7 @@ class Striped(Layout):
         #: no parameter given: the default, the per-batch search (key "striped")
         self.default = stripe_size is None and doc_placement is None and window is None and global_every is None
         self.window, self.global_every = check_window_hint(window, global_every)
+        given_stripe = stripe_size
         if stripe_size is None:  # a placement alone keeps token-by-token stripes (as before the default)
             stripe_size = "auto" if doc_placement is None else 1
         self.stripe_size = check_stripe_size(stripe_size)
@@ -338,8 +339,11 @@ class Striped(Layout):
         self.strict_block = self.stripe_size in (1, "auto")
         if self.window is not None:
             if not self.auto:
+                pinned = (f"stripe_size={given_stripe!r} pins the stripes it would choose" if given_stripe is not None
+                          else f"doc_placement={self.doc_placement!r} without a stripe size keeps stripes of 1 "
+                               "(add stripe=auto)")
                 raise ValueError(f"layout parameter window={self.window} applies to stripe=auto (the default) only: "
-                                 f"stripe_size={self.stripe_size!r} pins the stripes it would choose")
+                                 + pinned)
             self.dense_plans = False  # the row's stripes decide (dense_row)
 
     @property
@@ -371,7 +375,7 @@ class Striped(Layout):
         from .stripe_choice import MIN_STRIPE, choose_stripe_size, window_layer_counts
 
         window_layers, global_layers = window_layer_counts(self.global_every)
-        stripe = choose_stripe_size(seq_len, world_size, packed=False, window=self.window,
+        stripe = choose_stripe_size(int(seq_len), int(world_size), packed=False, window=self.window,
                                     window_layers=window_layers, global_layers=global_layers)
         return stripe if stripe >= MIN_STRIPE else 1  # a row whose S / N no stripe of 64+ divides
 
@@ -417,8 +421,9 @@ class Striped(Layout):
         return decision(_bounds(seq_len, cu_seqlens), world_size, self.stripe_size, self.doc_placement)
 
     def causal_plan(self, rank, source, world_size, local_len):
-        if self.stripe_size not in (1, "auto"):
-            raise NotImplementedError("striped with stripe_size > 1 runs the engine's masked plans")
+        if self.stripe_size not in (1, "auto") or not self.dense_row(local_len * world_size, world_size):
+            raise NotImplementedError("striped with stripe_size > 1 (or a window hint's stripes > 1 on this row) "
+                                      "runs the engine's masked plans")
         # Key b of `source` sits at b*N + source, query a of `rank` at a*N + rank.
         if source <= rank:
             return [BlockCall(_ALL, _ALL, True)]  # b <= a

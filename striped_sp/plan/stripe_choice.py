@@ -54,7 +54,10 @@ def window_share(seq_len: int, window: int | None, window_layers: int, global_la
 def choose_stripe_size(seq_len: int, world_size: int, packed: bool, window: int | None = None,
                        window_layers: int = 0, global_layers: int = 1) -> int | str:
     """The stripe size for ``stripe_size="auto"`` (module docstring): ``"auto"`` (the per-batch
-    search), 1 or a power of two dividing ``seq_len / world_size`` (when the row is not packed).  ``ValueError`` on a bad count."""
+    search), 1 or a power of two dividing ``seq_len / world_size`` (when the row is not packed; halved
+    under :data:`MIN_STRIPE` where ``seq_len / world_size`` needs it: Megatron's flag takes it so, the
+    striped window hint falls back to 1 there, :meth:`striped_sp.plan.layouts.Striped.row_stripe`).
+    ``ValueError`` on a bad count."""
     for name, value in (("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")

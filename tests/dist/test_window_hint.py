@@ -43,10 +43,10 @@ def test_key_round_trip_and_defaults():
     ("striped:window=big", "window='big' must be a positive int"),
     ("striped:global_every=6", "global_every=6 needs window=W"),
     ("striped:window=4096,global_every=0", "global_every=0 must be a positive int"),
-    ("striped:stripe=128,window=4096", "window=4096 applies to stripe=auto"),
+    ("striped:stripe=128,window=4096", "window=4096 applies to stripe=auto.*stripe_size=128 pins"),
     ("striped:stripe=doc,window=4096", "window=4096 applies to stripe=auto"),
-    ("striped:place=split,window=4096", "window=4096 applies to stripe=auto"),
-    ("striped:place=auto,window=4096", "window=4096 applies to stripe=auto"),  # a placement alone: stripes of 1
+    ("striped:place=split,window=4096", "doc_placement='split' without a stripe size keeps stripes of 1"),
+    ("striped:place=auto,window=4096", "doc_placement='auto' without a stripe size keeps stripes of 1"),
     ("zigzag:window=4096", "only 'striped' takes"),
 ])
 def test_bad_hints_are_named(text, words):
@@ -144,3 +144,29 @@ def test_bench_plan_lines_name_the_stripes_a_row_of_one_document_runs():
         "one document: stripes of 256 (the window hint)")
     assert plan_report("striped:stripe=auto", (0, 8192), 2, False, 8)["plan"].endswith("one document: stripes of 1")
     assert "stripe_size doc" in plan_report("striped:window=1024", (0, 100, 8192), 2, False, 8)["plan"]
+
+
+def test_the_dense_plans_are_refused_where_the_row_runs_larger_stripes():
+    """A direct caller that builds a plan without a mask must not get the stripes-of-1 plan for a
+    row whose hint resolves to larger stripes (the data would be dealt in those)."""
+    from striped_sp.plan.ring_plan import build_host_plan
+
+    hinted = get_layout("striped:window=512")  # stripes of 128 at 4 x 1024
+    with pytest.raises(NotImplementedError, match="masked plans"):
+        build_host_plan(hinted, None, True, 4, 1, 1024)
+    low = get_layout("striped:window=512,global_every=2")  # stripes of 1: the dense plans
+    assert build_host_plan(low, None, True, 4, 1, 1024).calls
+
+
+def test_bench_prediction_prices_the_masked_plans_of_the_hint():
+    from striped_sp.bench.predict import _hosts
+
+    hosts = _hosts("striped:window=1024", 2, 4096, None)
+    assert hosts[0].masked  # stripes of 256: the masked plans the engine runs
+    assert not _hosts("striped", 2, 4096, None)[0].masked
+
+
+def test_numpy_lengths_are_taken():
+    import numpy as np
+
+    assert striped_sp.positions(np.int64(8192), 2, 0, "striped:window=1024").tolist() == _stripes_by_hand(8192, 2, 0, 256)

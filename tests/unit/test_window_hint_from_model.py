@@ -16,7 +16,8 @@ from striped_sp.deepspeed.window_hint import model_window, with_model_window
 
 
 def _model(config):
-    return types.SimpleNamespace(config=config)
+    """What the hint reads of a transformers model: its config (and that it is one)."""
+    return types.SimpleNamespace(config=config, set_attn_implementation=lambda name: None)
 
 
 @pytest.mark.parametrize("config, hint", [
@@ -27,6 +28,8 @@ def _model(config):
     (transformers.Qwen2Config(use_sliding_window=True, sliding_window=40, max_window_layers=1, num_hidden_layers=3),
      (40, 3)),  # one global layer in three
     (transformers.Qwen2Config(), None),  # use_sliding_window=False: no window
+    (transformers.Qwen2Config(use_sliding_window=True, sliding_window=40, max_window_layers=2, num_hidden_layers=3),
+     None),  # more global layers than sliding ones: no hint
     (transformers.LlamaConfig(), None),
 ])
 def test_model_window(config, hint):
@@ -48,13 +51,25 @@ def test_the_hint_applies_to_the_striped_default_only():
     assert with_model_window(default, None) is default
 
 
-def test_accelerate_pins_the_hint_its_loaders_were_made_with():
-    """Loaders prepared before the model saw no model: initialize must run their layout, not the model's."""
+def test_not_a_transformers_model():
+    model = types.SimpleNamespace(config=transformers.MistralConfig(sliding_window=4096))  # a config of its own
+    assert model_window(model) is None
+
+
+def test_initialize_hints_only_where_it_builds_the_loader():
+    """Loaders prepared before the model saw no model: initialize must run their layout, not the model's;
+    without training_data the user shards in "striped" (the docs' shard_batch), so no hint."""
     model = _model(transformers.MistralConfig(sliding_window=4096))
     default = ContextParallelSettings(sequence_parallel_size=2)
-    assert init_mod._with_window(default, model).layout == "striped:window=4096"
+    assert init_mod._with_window(default, model, training_data=[1]).layout == "striped:window=4096"
+    assert init_mod._with_window(default, model, training_data=None).layout == "striped"
     token = init_mod.LOADER_WINDOW_HINT.set((None, None))
     try:
-        assert init_mod._with_window(default, model).layout == "striped"
+        assert init_mod._with_window(default, model, training_data=[1]).layout == "striped"
+    finally:
+        init_mod.LOADER_WINDOW_HINT.reset(token)
+    token = init_mod.LOADER_WINDOW_HINT.set((4096, 6))
+    try:
+        assert init_mod._with_window(default, model, training_data=None).layout == "striped:window=4096,global_every=6"
     finally:
         init_mod.LOADER_WINDOW_HINT.reset(token)

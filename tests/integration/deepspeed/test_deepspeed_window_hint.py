@@ -1,8 +1,9 @@
 """The striped default takes a transformers model's sliding window as its layout hint (issue 36), on
 2 gloo ranks: ``initialize`` with a Mistral-style model (every layer windowed) and a Qwen2-style one
-(one global layer in three) runs ``"striped:window=W[,global_every=K]"``; its loader deals stripes of
-64 (positions written out by hand); the loss and gradients equal the plain model's on the full
-rows (transformers' own sliding-window mask, no context parallelism)."""
+(one global layer in three) and ``training_data`` runs ``"striped:window=W[,global_every=K]"``; its
+loader deals stripes of 64 (positions written out by hand); the loss and gradients equal the plain
+model's on the full rows (transformers' own sliding-window mask, no context parallelism).  Without
+``training_data`` (the user shards in ``"striped"``) there is no hint."""
 
 import os
 
@@ -84,7 +85,25 @@ def _case(kind, layout):
         assert rel_err(p.grad, q.grad) < 1e-5, name
 
 
-CASES = [("setup", _setup, ()), ("mistral", _case, ("mistral", f"striped:window={WINDOW}")),
+def _case_user_shards():
+    """Without training_data the user shards (shard_batch's "striped"): no hint, the layouts agree."""
+    from striped_sp import positions
+    from striped_sp.deepspeed import initialize, shard_batch
+
+    model = _model("mistral")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": 0}, "sequence_parallel_size": WORLD, "context_parallel": {}}
+    engine, _, _, _ = initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    assert engine.context_parallel.layout == "striped"
+    rank = dist.get_rank(engine.context_parallel_group)
+    rows = [_Rows()[i] for i in range(2)]
+    batch = shard_batch({k: torch.stack([r[k] for r in rows]) for k in rows[0]}, WORLD, rank, "striped")
+    assert torch.equal(batch["position_ids"][0], positions(SEQ, WORLD, rank))
+    assert torch.isfinite(engine(**batch).loss)
+
+
+CASES = [("setup", _setup, ()), ("user_shards", _case_user_shards, ()),
+         ("mistral", _case, ("mistral", f"striped:window={WINDOW}")),
          ("qwen2_mixed", _case, ("qwen2", f"striped:window={WINDOW},global_every=3"))]
 
 
