@@ -321,17 +321,26 @@ def test_accelerate_gets_our_auto_choices_back_in_initialize(monkeypatch):
 
     from striped_sp.deepspeed import accelerate as acc
 
-    seen = {}
+    from striped_sp.deepspeed.config import ContextParallelSettings
+
+    seen, hints = {}, []
     module = importlib.import_module("striped_sp.deepspeed.initialize")
-    monkeypatch.setattr(module, "initialize", lambda **kw: seen.update(kw["config"]))
+
+    def initialize(**kw):  # what ours hands on, and the window hint it pins for the attention
+        seen.update(kw["config"])
+        hints.append(module.LOADER_WINDOW_HINT.get())
+
+    monkeypatch.setattr(module, "initialize", initialize)
     config = {"sequence_parallel_size": 2, "train_batch_size": 8,
               "context_parallel": {"backend": "auto", "stripe_size": "auto", "doc_placement": "auto", "ulysses_size": 1}}
     autos = acc._drop_auto_values(config)
     assert config["context_parallel"] == {"ulysses_size": 1}
-    with acc._deepspeed_initialize_is_ours(autos):
+    loaders = ContextParallelSettings(sequence_parallel_size=2, window=4096, global_every=6)  # the loaders' layout
+    with acc._deepspeed_initialize_is_ours(autos, loaders):
         deepspeed.initialize(config=config)
     assert seen["context_parallel"] == {"ulysses_size": 1, "backend": "auto", "stripe_size": "auto", "doc_placement": "auto"}
     assert parse_config(seen, world_size=2).layout == "striped:stripe=auto"
+    assert hints == [(4096, 6)] and module.LOADER_WINDOW_HINT.get() is None  # pinned for that call only
 
 
 def test_config_calibrate_is_a_strict_bool():

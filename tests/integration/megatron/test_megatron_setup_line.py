@@ -71,7 +71,7 @@ def _args(**kw):
 
 @pytest.mark.parametrize("kw, layout, words", [
     (dict(striped_stripe_size="auto", sft=True), "striped:stripe=auto", "per packed batch"),
-    (dict(striped_stripe_size="auto", window_size=(1024, 0)), "striped:stripe=128", "stripes of 128 tokens"),
+    (dict(striped_stripe_size="auto", window_size=(1024, 0)), "striped:stripe=256", "stripes of 256 tokens"),  # W / 4
     (dict(striped_stripe_size="auto"), "striped", stripe_policy("striped")),
     (dict(striped_stripe_size=1), "striped", stripe_policy("striped")),
     (dict(striped_stripe_size=4), "striped:stripe=4", "stripes of 4 tokens"),
