@@ -296,10 +296,49 @@ def test_accelerator_cpu_true_is_named():
             os.environ["ACCELERATE_USE_DEEPSPEED"] = use_deepspeed
 
 
+def _tiny_mistral(window, attn):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(6)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, sliding_window=window)
+    model = MistralForCausalLM(cfg)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def _case_trainer_window():
+    """A sliding-window model: the Trainer's loaders and attention run its window hint (stripes of 64 on
+    rows of 256 tokens, window 40); one step equals a plain eager model's SGD step with the same clipping."""
+    from accelerate.state import AcceleratorState
+
+    from striped_sp.deepspeed import ContextParallelTrainer
+
+    AcceleratorState._reset_state(True)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (BATCH, 256), generator=g)
+    train = [{"input_ids": ids[i], "labels": ids[i].clone()} for i in range(BATCH)]
+    ref = _tiny_mistral(40, "eager")
+    ref(input_ids=ids, labels=ids).loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    expected = {n: (p - LR * p.grad).detach() for n, p in ref.named_parameters()}
+    out = os.path.join(_STATE["tmp"], "trainer_window")
+    trainer = ContextParallelTrainer(model=_tiny_mistral(40, "sdpa"), args=_args(out, 2, gradient_accumulation_steps=1),
+                                     train_dataset=train)
+    assert trainer.context_parallel.layout == "striped:window=40"
+    trainer.train()
+    assert trainer.accelerator._striped_sp.layout == "striped:window=40"
+    assert trainer.state.global_step == 1
+    for name, p in trainer.model.named_parameters():
+        assert rel_err(p.detach(), expected[name]) < 1e-4, (name, rel_err(p.detach(), expected[name]))
+
+
 CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),
          ("trainer_zero2", _case_trainer, (2,)), ("trainer_zero2_resume", _case_trainer_resume, (2,)),
          ("trainer_zero3", _case_trainer, (3,)), ("trainer_zero2_packed", _case_trainer_packed, (2,)),
-         ("accelerate_zero2", _case_accelerate, ())]  # each after the first resets accelerate's state
+         ("accelerate_zero2", _case_accelerate, ()),
+         ("trainer_window", _case_trainer_window, ())]  # each after the first resets accelerate's state
 
 
 @pytest.fixture(scope="module")
