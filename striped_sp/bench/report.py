@@ -24,12 +24,13 @@ def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int
     if lay.key == lay.name:  # a layout without parameters (stripe size, placement): no plan to describe
         return {}
     stripe, place = lay.stripe_size, lay.doc_placement
-    if getattr(lay, "auto", False) and len(bounds) <= 2:  # one document: stripes of 1, or the window hint's
-        stripe, place = lay.row_stripe(int(bounds[-1]), world_size), "split"
+    if getattr(lay, "auto", False):  # what the row runs: one document's stripes, a window hint's, or the search
+        stripe, place = lay.row_plan(int(bounds[-1]), world_size, tuple(bounds))
     d = describe(tuple(bounds), world_size, stripe, place)
     chosen = f"; stripe_size {d['stripe_size']}, {d['steps']} ring steps" if stripe == "auto" else ""
     if stripe != lay.stripe_size:
-        chosen = f"; one document: stripes of {stripe}" + (" (the window hint)" if lay.window is not None else "")
+        chosen = (f"; {'one document' if len(bounds) <= 2 else 'packed'}: stripes of {stripe}"
+                  + (" (the window hint)" if lay.window is not None else ""))
     return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}{chosen}",
             "plan_balance": d["balance"],
             "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * heads,

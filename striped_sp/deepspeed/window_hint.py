@@ -5,7 +5,8 @@ the model, and the window of a layer is not known there.  The DeepSpeed routes k
 before any batch is sharded, so where the JSON gives no ``stripe_size`` / ``doc_placement`` they
 read the model's window once and run ``"striped:window=W,global_every=K"``
 (:class:`striped_sp.plan.layouts.Striped`): one-document rows in the window rule's stripes, packed
-rows searched as without it.  The model's text config says it:
+rows in stripes of ``W / 8`` from 4 ranks on (searched as without it on fewer).  The model's text
+config says it:
 
 * ``sliding_window=W`` (an int; ``None`` or absent: no window);
 * ``layer_types`` (transformers 5: ``"sliding_attention"`` / ``"full_attention"`` per layer, as

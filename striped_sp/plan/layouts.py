@@ -305,7 +305,9 @@ class Striped(Layout):
     every ``K``), since the window is not known where the batch is sharded.  A row of one document
     then runs the stripes :func:`~striped_sp.plan.stripe_choice.choose_stripe_size` gives for it
     (``W / 4`` where the window layers hold enough of the entries, else 1), resolved per row length
-    (:meth:`row_stripe`); packed rows keep the search.  Every layer of the model runs those stripes:
+    (:meth:`row_stripe`); packed rows run stripes of ``W / 8`` from
+    :data:`~striped_sp.plan.stripe_choice.PACKED_WINDOW_MIN_RANKS` ranks on and the search on fewer
+    (:meth:`packed_stripe`).  Every layer of the model runs those stripes:
     the global layers run the masked plans of them, the window layers skip the ring steps past the
     window (:meth:`window_block`)."""
 
@@ -379,20 +381,45 @@ class Striped(Layout):
                                     window_layers=window_layers, global_layers=global_layers)
         return stripe if stripe >= MIN_STRIPE else 1  # a row whose S / N no stripe of 64+ divides
 
+    def packed_stripe(self, seq_len: int, world_size: int) -> int | None:
+        """With a window hint on ``world_size >= PACKED_WINDOW_MIN_RANKS`` ranks, the stripes a packed row
+        of ``seq_len`` tokens runs: ``W / 8`` (the rule of
+        :func:`~striped_sp.plan.stripe_choice.choose_stripe_size` for packed rows), halved until the
+        row is a whole number of stripes per rank; ``None``: the per-batch search (fewer ranks, no
+        hint, or no stripe of 64 or more fits)."""
+        from .stripe_choice import MIN_STRIPE, PACKED_WINDOW_MIN_RANKS, choose_stripe_size, window_layer_counts
+
+        if not self.auto or self.window is None or world_size < PACKED_WINDOW_MIN_RANKS:
+            return None
+        window_layers, global_layers = window_layer_counts(self.global_every)
+        stripe = choose_stripe_size(int(seq_len), int(world_size), packed=True, window=self.window,
+                                    window_layers=window_layers, global_layers=global_layers)
+        while stripe >= MIN_STRIPE and seq_len % (world_size * stripe):
+            stripe //= 2
+        return stripe if stripe >= MIN_STRIPE else None
+
+    def row_plan(self, seq_len: int, world_size: int, cu_seqlens=None) -> tuple:
+        """``(stripe_size, doc_placement)`` a row runs: the layout's own, with ``"auto"`` resolved where
+        it does not search: a row of one document (:meth:`row_stripe`), a packed row under a window
+        hint on enough ranks (:meth:`packed_stripe`)."""
+        if not self.auto:
+            return self.stripe_size, self.doc_placement
+        if cu_seqlens is None or len(cu_seqlens) <= 2:
+            return self.row_stripe(seq_len, world_size), "split"
+        stripe = self.packed_stripe(seq_len, world_size)
+        return (self.stripe_size, self.doc_placement) if stripe is None else (stripe, "split")
+
     def dense_row(self, seq_len, world_size):
         return self.dense_plans or (self.window is not None and self.row_stripe(seq_len, world_size) == 1)
 
     def window_block(self, world_size, local_len, mask=None):
-        if self.auto:  # one document: the row's stripes (runs); else the search's plan
-            one_document = mask is None or len(mask.bounds) <= 2
-            return self.row_stripe(local_len * world_size, world_size) if one_document else None
+        if self.auto:  # the row's stripes (runs), or None under the search's plan
+            stripe = self.row_plan(local_len * world_size, world_size, None if mask is None else mask.bounds)[0]
+            return None if stripe == "auto" else stripe
         return None if self.placed or self.per_document else self.stripe_size
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
-        one_document = cu_seqlens is None or len(cu_seqlens) <= 2
-        stripe, placement = self.stripe_size, self.doc_placement
-        if self.auto and one_document:
-            stripe, placement = self.row_stripe(seq_len, world_size), "split"
+        stripe, placement = self.row_plan(seq_len, world_size, cu_seqlens)
         if stripe == 1 and (placement == "split" or cu_seqlens is None):
             return [(0, rank, seq_len // world_size)]
         from .search import placed_runs
@@ -403,6 +430,11 @@ class Striped(Layout):
         return world_size if self.stripe_size in (1, "auto") else 1
 
     def decision(self, seq_len, world_size, cu_seqlens=None):
+        packed = None if cu_seqlens is None or len(cu_seqlens) <= 2 else self.packed_stripe(seq_len, world_size)
+        if packed is not None:
+            return (f"a packed row of {len(cu_seqlens) - 1} documents under the window hint {self.window} on "
+                    f"{world_size} ranks: stripes of {packed} (W / 8; the per-batch search, which knows no windows, "
+                    "measured up to 1.4x slower there from 4 ranks on)")
         if cu_seqlens is None or len(cu_seqlens) <= 2:
             if self.auto and self.window is not None:
                 stripe = self.row_stripe(seq_len, world_size)

@@ -10,13 +10,14 @@ are packed documents, and which share of its visible score entries lies in slidi
   model; per-document stripes measured fastest of the fixed choices); on a single-document row the
   paper's token-by-token stripes (1), which run the dense causal plans;
 * any window on packed rows: stripes of ``W / 8`` (a power of two, at least :data:`MIN_STRIPE`), so
-  that a query's band lies in a few stripes (1.36x zigzag on the web mix);
+  that a query's band lies in a few stripes (1.36x zigzag on the web mix), from
+  :data:`PACKED_WINDOW_MIN_RANKS` ranks on; on fewer the per-batch search;
 * one document, window layers of ``W`` keys holding at least :data:`WINDOW_SHARE_MIN` of the
   entries: stripes of ``W / 4`` (the same bounds).  ``W / 8`` measured 1.21x zigzag at one global
   layer in six, ``W / 2`` 1.35x with no global layer; a later run (N = 8, W = 4096, a loaded
   machine) put ``W / 4`` 7% ahead of ``W / 8`` at one global layer in six and within 1% of the best
   without global layers, and at N = 2 (W = 1024, a quiet machine) 9% ahead without global layers
-  (docs/results.md, "One document with a window: the stripe size");
+  (docs/results.md, "Windows: the stripe size");
 * otherwise 1.
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["WINDOW_SHARE_MIN", "MIN_STRIPE", "window_share", "choose_stripe_size", "check_window_hint",
+__all__ = ["WINDOW_SHARE_MIN", "MIN_STRIPE", "PACKED_WINDOW_MIN_RANKS", "window_share", "choose_stripe_size", "check_window_hint",
            "window_layer_counts"]
 
 #: window layers must hold this share of the entries before stripes pay on one document
@@ -32,6 +33,10 @@ __all__ = ["WINDOW_SHARE_MIN", "MIN_STRIPE", "window_share", "choose_stripe_size
 WINDOW_SHARE_MIN = 0.20
 #: smaller stripes than this cost more per entry than they gain (kernel tiles)
 MIN_STRIPE = 64
+#: from this many ranks a packed row under a window hint runs stripes of W / 8 rather than the
+#: per-batch search (which knows no windows): ``bench sim``, web mix, window 4096, 8192 tokens per
+#: rank, fwd+bwd: the search 11% faster at N = 2, W / 8 6% faster at N = 4 and 42% at N = 8
+PACKED_WINDOW_MIN_RANKS = 4
 
 
 def _causal_entries(seq_len: int, window: int | None) -> int:
@@ -67,6 +72,8 @@ def choose_stripe_size(seq_len: int, world_size: int, packed: bool, window: int 
     share = window_share(seq_len, window, window_layers, global_layers)
     if window is None or window_layers == 0 or (not packed and share < WINDOW_SHARE_MIN):
         return "auto" if packed else 1
+    if packed and world_size < PACKED_WINDOW_MIN_RANKS:
+        return "auto"
     stripe = MIN_STRIPE
     while stripe * 2 <= window // (8 if packed else 4):
         stripe *= 2

@@ -84,13 +84,38 @@ def test_one_document_rows_run_the_window_rule(hint, seq_len, n, stripe):
     assert words in lay.decision(seq_len, n) and str(lay.window) in lay.decision(seq_len, n)
 
 
-def test_packed_rows_keep_the_search():
+def test_packed_rows_keep_the_search_on_two_or_three_ranks():
     bounds = [0, 40, 100, 230, 300, 420, 500, 610, 700, 800, 880, 1024]
     hinted = get_layout("striped:window=512")
-    for r in range(2):
-        assert torch.equal(striped_sp.positions(1024, 2, r, hinted.key, cu_seqlens=bounds),
-                           striped_sp.positions(1024, 2, r, "striped", cu_seqlens=bounds))
-    assert hinted.decision(1024, 2, bounds) == LAYOUTS["striped"].decision(1024, 2, bounds)
+    for n in (2, 3):
+        row = bounds[:-1] + [1024 // n * n] if n == 3 else bounds
+        seq = row[-1]
+        for r in range(n):
+            assert torch.equal(striped_sp.positions(seq, n, r, hinted.key, cu_seqlens=row),
+                               striped_sp.positions(seq, n, r, "striped", cu_seqlens=row))
+        assert hinted.decision(seq, n, row) == LAYOUTS["striped"].decision(seq, n, row)
+
+
+@pytest.mark.parametrize("n, seq, window, stripe", [
+    (4, 4096, 1024, 128),  # W / 8
+    (8, 8192, 4096, 512),
+    (4, 4 * 192, 1024, 64),  # halved until S / N holds whole stripes
+    (4, 4 * 96, 1024, None),  # no stripe of 64 or more fits: the search
+])
+def test_packed_rows_run_w8_stripes_from_four_ranks(n, seq, window, stripe):
+    bounds = [0, 7, seq // 3, seq // 3 + 5, seq]
+    hinted = get_layout(f"striped:window={window}")
+    assert hinted.packed_stripe(seq, n) == stripe
+    for r in (0, n - 1):
+        got = striped_sp.positions(seq, n, r, hinted.key, cu_seqlens=bounds).tolist()
+        if stripe is None:
+            assert got == striped_sp.positions(seq, n, r, "striped", cu_seqlens=bounds).tolist()
+        else:
+            assert got == _stripes_by_hand(seq, n, r, stripe)
+    mask = make_mask(seq, n, hinted, bounds, window_size=(window - 1, 0))
+    assert hinted.window_block(n, seq // n, mask) == stripe
+    if stripe is not None:
+        assert f"stripes of {stripe}" in hinted.decision(seq, n, bounds)
 
 
 def test_window_layers_skip_the_steps_past_the_window():
@@ -170,3 +195,12 @@ def test_numpy_lengths_are_taken():
     import numpy as np
 
     assert striped_sp.positions(np.int64(8192), 2, 0, "striped:window=1024").tolist() == _stripes_by_hand(8192, 2, 0, 256)
+
+
+def test_exact_on_packed_rows_where_the_window_spans_several_stripes():
+    """Stripes of 64 on 8 ranks and a window of 300 keys: the ring skips the steps past ceil(300 / 64) + 1,
+    never one that still holds visible keys."""
+    lay = get_layout("striped:window=512")
+    assert lay.packed_stripe(8 * 256, 8) == 64
+    check_simulation_exact(8, 256, {"layout": lay.key, "docs": True, "window_size": (300, 0)}, "hint-packed-300",
+                           heads=2, kv_heads=1)

@@ -23,6 +23,8 @@ def test_window_share_against_a_hand_count():
     (65536, 8, False, 4096, 5, 1, 1024),          # one global layer in 6: share 0.38
     (65536, 8, False, 4096, 1, 1, 1),             # one in 2: share 0.11, below the crossover
     (65536, 8, True, 4096, 1, 1, 512),            # packed rows: W/8 at any share
+    (65536, 4, True, 4096, 1, 0, 512),            # from 4 ranks on
+    (65536, 2, True, 4096, 1, 0, "auto"),         # on fewer the per-batch search (measured faster there)
     (65536, 8, False, 256, 1, 0, 64),             # never below MIN_STRIPE
     (8 * 3 * 64, 8, False, 4096, 1, 0, 64),       # S / N = 192: the largest power of two dividing it
     (8 * 3 * 16, 8, False, 4096, 1, 0, 16),
