@@ -32,7 +32,7 @@ def stripe_policy(layout_key: str) -> str:
             every = "every layer" if layout.global_every is None else f"one global layer in {layout.global_every}"
             policy = policy.replace("token by token", f"in stripes of about W / 4 (the window hint W = {layout.window}, "
                                     f"{every}; 1 where window layers hold under 20% of the entries or no stripe of 64 or more "
-                                    "divides the tokens per rank)")
+                                    "divides the tokens per rank); from 4 ranks on, packed rows in stripes of about W / 8 instead")
     elif stripe == "doc":
         policy = "per-document stripes: 2N per document, dealt to ranks 0..N-1 and back"
     elif stripe == 1:
