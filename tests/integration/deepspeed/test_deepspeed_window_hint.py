@@ -15,24 +15,12 @@ import torch.distributed as dist
 
 from dist_helper import run_cases, check_case
 from reference import rel_err
+from test_deepspeed_packed import _setup  # DeepSpeed's comm on the gloo ranks, its shm op never built
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
 WORLD, SEQ, WINDOW = 2, 256, 40  # stripes of 64 (the rule's least) on one document of 256 tokens
-
-
-def _setup():
-    rank = dist.get_rank()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    import deepspeed
-    from deepspeed.utils import logger
-    from striped_sp.deepspeed import skip_cpu_shm_comm_build
-
-    skip_cpu_shm_comm_build()
-    deepspeed.init_distributed(dist_backend="gloo")
-    logger.setLevel("WARNING")
 
 
 def _model(kind):
