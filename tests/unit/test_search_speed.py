@@ -198,3 +198,22 @@ def test_vectorised_call_costs_equal_the_models_calls(model):
                                     dtype=torch.float64)
             torch.testing.assert_close(search._striped_docs_ns(model, as_tensor, n, stripe), expected,
                                        rtol=1e-12, atol=0)
+
+
+def test_the_coarse_step_rules_out_only_plans_beyond_its_margin():
+    """A row where the margin decides (lognormal median 300, sigma 2.0, N = 8, 4096 tokens per rank,
+    the CPU model): per-document stripes with documents <= 64 whole are within 1% of the fastest and
+    preferred; a coarse step that ruled out plans inside its margin (``x (1 - COARSE_MARGIN)``)
+    dropped them and took documents <= 256 whole."""
+    from striped_sp.bench.docs import packed_row, parse_docs
+
+    model = search.model_named("cpu")
+    bounds = tuple(packed_row(parse_docs("lognormal:median=300,sigma=2.0"), 8 * 4096))
+    search._search.cache_clear()
+    chosen, tried = search.search(bounds, 8, model)
+    assert (chosen.stripe_size, chosen.whole_max) == ("doc", 64)
+    full = _full_search(bounds, 8, model)
+    assert (chosen.stripe_size, chosen.whole_max) == (full.stripe_size, full.whole_max)
+    best = min(p.ms for p in tried if not p.coarse)
+    rough = [p for p in tried if p.coarse]
+    assert all(p.ms > best * (1 + search.COARSE_MARGIN) for p in rough), [(p.whole_max, p.ms, best) for p in rough]
