@@ -112,7 +112,7 @@ def _masked_balance(args) -> int:
                               ("padding_tokens", "padding"), ("critical_path_over_ideal", "critical/ideal")]))
     lines = plan_lines(recs, None, "")
     if lines:
-        print("\n(cost model forward per head; plan balance: the model's critical path over ideal)\n"
+        print("\n(cost model forward per head; balance: the plan's critical path over ideal, the table's count)\n"
               + "\n".join(lines))
     if args.json:
         write_json(args.json, recs)

@@ -11,17 +11,19 @@ __all__ = ["format_table", "write_json", "check_plotting", "plot_speedup", "plot
 
 
 def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int) -> dict:
-    """For a striped layout with a stripe size or a document placement, the fields every bench
-    mode adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.plan.search.describe`),
-    ``plan_balance`` (the model's critical path over ideal) and ``predicted_forward_ms`` (the cost
-    model ``"cpu"``: forward critical path of all ``heads``; ``None`` for a windowed row, since the
-    model knows documents, not windows) and ``predicted_ms`` (forward+backward, the ring included:
-    what ``stripe_size="auto"`` ranks plans by).  ``{}`` for every other layout."""
+    """For a striped layout (the default's per-batch search included), the fields every bench mode
+    adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.plan.search.describe`),
+    ``plan_balance`` (the plan's critical path over ideal in score entries, counted as ``bench
+    balance`` counts its table; ``None`` for a windowed row, whose window the count leaves out),
+    ``predicted_forward_ms`` (the cost model ``"cpu"``: forward critical path of all ``heads``;
+    ``None`` for a windowed row, since the model knows documents, not windows) and ``predicted_ms``
+    (forward+backward, the ring included: what ``stripe_size="auto"`` ranks plans by).  ``{}`` for a
+    layout without stripes (contiguous, zigzag)."""
     from ..plan.layouts import get_layout
     from ..plan.search import describe
 
     lay = get_layout(layout)
-    if lay.key == lay.name:  # a layout without parameters (stripe size, placement): no plan to describe
+    if getattr(lay, "stripe_size", None) is None:  # no stripes, no placement: no plan to describe
         return {}
     stripe, place = lay.stripe_size, lay.doc_placement
     if getattr(lay, "auto", False):  # what the row runs: one document's stripes, a window hint's, or the search
@@ -32,7 +34,7 @@ def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int
         chosen = (f"; {'one document' if len(bounds) <= 2 else 'packed'}: stripes of {stripe}"
                   + (" (the window hint)" if lay.window is not None else ""))
     return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}{chosen}",
-            "plan_balance": d["balance"],
+            "plan_balance": None if windowed else d["balance"],
             "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * heads,
             "predicted_ms": None if windowed else d["predicted_ms"] * heads}
 

@@ -32,7 +32,7 @@ from . import doc_stripes
 from .cost import CostModel, model_named
 from .solver import assign_greedy
 
-__all__ = ["check_placement", "check_stripe_size", "predict"]
+__all__ = ["check_placement", "check_stripe_size", "predict", "table_step_entries"]
 
 
 def check_placement(doc_placement):
@@ -217,23 +217,81 @@ def _striped_doc_ns(model: CostModel, length: int, world_size: int, stripe: int)
     return k * model.call(stripe, stripe, True) + dense + (k - 1) * model.call_ns
 
 
+def table_step_entries(bounds: tuple, world_size: int, tables: list) -> torch.Tensor:
+    """``entries[t, r]`` (float64): the visible causal score entries of rank ``r`` on ring step ``t``
+    (keys of rank ``(r - t) mod N``) of a packed row placed by the run ``tables`` (per rank, rows
+    ``(local start, first position, count, step)``): what ``bench balance`` counts from the engine's
+    plans, for any placement, in closed form per pair of runs of one document.
+
+    Runs of step 1 (whole documents, cut pieces, stripes of ``s``) are intervals: a query run meets
+    every key token of its document before it, and its own triangle.  Runs of step ``N`` (stripes of
+    1: one run per rank and document, first positions inside the document's first ``N``) meet as
+    ``sum_x min(c_k, x + [b <= a])`` over the query run's ``c_q`` tokens (``a``, ``b``: the runs'
+    first positions)."""
+    n = world_size
+    rows = torch.cat([t.reshape(-1, 4) for t in tables]).to(torch.int64)
+    rank = torch.repeat_interleave(torch.arange(n), torch.tensor([t.reshape(-1, 4).shape[0] for t in tables],
+                                                                 dtype=torch.int64))
+    keep = rows[:, 2] > 0
+    rows, rank = rows[keep], rank[keep]
+    first, count, step = (rows[:, k].contiguous() for k in (1, 2, 3))
+    b = torch.tensor(bounds, dtype=torch.int64)
+    doc = torch.searchsorted(b, first, right=True) - 1
+    pairs = torch.zeros(n, n, dtype=torch.float64)  # pairs[i, j]: queries on rank i x keys on rank j
+    strided_doc = torch.zeros(len(bounds) - 1, dtype=torch.bool)
+    strided_doc[doc[step != 1]] = True
+    strided = strided_doc[doc]
+    # intervals: sorted by position; each run meets the tokens of every rank before it in its document
+    order = torch.argsort(first[~strided])
+    f, c, r, d = (x[~strided][order] for x in (first, count, rank, doc))
+    if len(f):
+        onehot = torch.zeros(len(f), n, dtype=torch.float64)
+        onehot[torch.arange(len(f)), r] = c.to(torch.float64)
+        before = torch.cumsum(onehot, 0) - onehot  # tokens of each rank before the run (the row)
+        new_doc = torch.ones(len(f), dtype=torch.bool)
+        new_doc[1:] = d[1:] != d[:-1]
+        doc_first = torch.cummax(torch.where(new_doc, torch.arange(len(f)), torch.zeros_like(f)), 0).values
+        before = before - before[doc_first]  # ... in its document
+        cf = c.to(torch.float64)
+        pairs.index_add_(0, r, cf[:, None] * before)
+        pairs[torch.arange(n), torch.arange(n)] += torch.zeros(n, dtype=torch.float64).index_add_(
+            0, r, cf * (cf + 1) / 2)
+    # stripes of 1: per document one run per rank, dense [documents, N] of (first, count)
+    if bool(strided.any()):
+        docs, slot = torch.unique(doc[strided], return_inverse=True)
+        if len(torch.unique(slot * n + rank[strided])) != int(strided.sum()):
+            raise ValueError("a rank holds a striped document in several strided runs")
+        fa = torch.zeros(len(docs), n, dtype=torch.int64)
+        ca = torch.zeros(len(docs), n, dtype=torch.int64)
+        fa[slot, rank[strided]] = first[strided]
+        ca[slot, rank[strided]] = count[strided]
+        chunk = max(1, (1 << 22) // (n * n))
+        for lo in range(0, len(docs), chunk):
+            a, cq = fa[lo:lo + chunk, :, None], ca[lo:lo + chunk, :, None].to(torch.float64)  # queries: rank i
+            bb, ck = fa[lo:lo + chunk, None, :], ca[lo:lo + chunk, None, :].to(torch.float64)  # keys: rank j
+            e = (bb <= a).to(torch.float64)
+            k = torch.clamp(ck - e + 1, min=0)
+            k = torch.minimum(k, cq)
+            pairs += (k * (k - 1) / 2 + e * k + (cq - k) * ck).sum(0)
+    ranks = torch.arange(n)
+    return torch.stack([pairs[ranks, (ranks - t) % n] for t in range(n)])
+
+
 def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str | None = None) -> dict:
-    """The model's view of a placement: ``balance`` (critical path over ideal in score entries:
-    the slowest rank's whole documents plus an even share of the striped ones, over an even share
-    of all) and ``ms``, its forward critical path per head in milliseconds (whole documents cost one
-    causal call each on their rank; a striped document one piece per rank and ring step)."""
+    """A placement's ``balance``: critical path over ideal in score entries (the sum over ring steps
+    of the busiest rank's visible entries, :func:`table_step_entries`, over the row's visible entries
+    spread evenly on ``N`` ranks: what ``bench balance`` prints for the plan), and the model's ``ms``,
+    its forward critical path per head in milliseconds (whole documents cost one causal call each on
+    their rank; a striped document one piece per rank and ring step)."""
     model = model_named(model)
     bounds = tuple(bounds)
     if stripe == "doc":
         return _predict_doc(bounds, world_size, whole_max, model)
-    tables, whole, striped, entries = _place(bounds, world_size, stripe, whole_max)
+    tables, whole, striped, _ = _place(bounds, world_size, stripe, whole_max)
     pieces = _whole_pieces(bounds, tables, whole)
     lengths = _lengths(bounds)
     ideal = sum(_entries(n) for n in lengths) / world_size
-    striped_share = sum(_entries(lengths[d]) for d in striped) / world_size
-    # a document cut over ranks adds its cross blocks (piece x earlier pieces) to single steps of
-    # single ranks: counted in full, as if they all fell on the slowest rank
-    balance = (max(entries) + _cross_entries(pieces) + striped_share) / ideal
+    balance = float(table_step_entries(bounds, world_size, tables).max(1).values.sum()) / ideal
     whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
     per_step = sum(_striped_doc_ns(model, lengths[d], world_size, stripe) for d in striped)
     return {"balance": balance, "ms": (max(whole_ns) + world_size * per_step) / 1e6}

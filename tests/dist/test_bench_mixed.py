@@ -96,14 +96,31 @@ def test_balance_reports_plans(tmp_path, capsys):
                  "lognormal:median=24,sigma=1.0", "--layouts", "striped;striped:place=auto;striped:stripe=8",
                  "--no-progress", "--json", str(path)]) == 0
     recs = json.loads(path.read_text())
-    assert "plan" not in next(r for r in recs if r["layout"] == "striped")
-    for r in recs[1:]:
+    for r in recs:  # the default too: its per-batch search chose a plan worth naming
         assert r["plan"].startswith("whole documents <= ") and r["predicted_forward_ms"] > 0
         assert r["plan_balance"] >= 1.0 - 1e-9
-    assert "plan striped:place=auto N=4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plan striped:place=auto N=4" in out and "plan striped N=4: whole documents" in out
     # a plain row with stripes runs the masked plans (stripes have no dense ones)
     assert main(["bench", "balance", "--world-sizes", "4", "--tokens-per-rank", "32", "--no-progress",
                  "--layouts", "striped;striped:stripe=8"]) == 0
+
+
+@pytest.mark.parametrize("world, tpr, docs, layouts", [
+    (32, 32, "fixed:32", "striped:stripe=1;striped;striped:place=auto"),  # the plan line once said 1.0000 by 1.9394
+    (8, 512, "lognormal:median=300,sigma=1.2", "striped;striped:stripe=1;striped:stripe=doc;striped:stripe=64"),
+])
+def test_balance_plan_line_agrees_with_the_table(tmp_path, capsys, world, tpr, docs, layouts):
+    """A plan line's balance is the critical path over ideal of the plan the table row measures."""
+    path = tmp_path / "b.json"
+    assert main(["bench", "balance", "--world-sizes", str(world), "--tokens-per-rank", str(tpr), "--docs", docs,
+                 "--layouts", layouts, "--no-progress", "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    assert len(recs) == len(layouts.split(";"))
+    lines = {ln.split(": ")[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("plan ")}
+    for r in recs:
+        assert r["plan_balance"] == pytest.approx(r["critical_path_over_ideal"], rel=1e-9), r["layout"]
+        assert f"balance {r['critical_path_over_ideal']:.4f})" in lines[f"plan {r['layout']} N={world}"]
 
 
 def test_run_global_every_and_plans(tmp_path, capsys):
