@@ -156,8 +156,9 @@ def add_sim(modes) -> None:
                    help="no effect, kept for old command lines: every (rank, step) is always run and timed "
                    "(the engine's executor)")
     s.add_argument("--predict", default=None, metavar="ARCH", choices=["A100", "H100", "H800", "H200", "B200"],
-                   help="run nothing: price every rank's plan with the GPU cost model of --backend's kernel class "
-                        "on ARCH (a prediction), and hold it against ring-flash-attention's published figures")
+                   help="run nothing: price every rank's plan (the row of --docs / --window, chosen as on ARCH) "
+                        "with the GPU cost model of --backend's kernel class on ARCH (a prediction), and hold it "
+                        "against ring-flash-attention's published figures")
     s.add_argument("--no-reference", action="store_true",
                    help="skip the single-device full causal run (efficiency left empty)")
     s.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one simulated rank = one core)")

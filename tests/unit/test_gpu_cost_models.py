@@ -90,3 +90,61 @@ def test_predict_mode_records():
         predict_layouts("H100", "fa2", ("zigzag",), 4, 1024, bounds=[0, 1001, 4096])
     slow = dataclasses.replace(gpu_model("fa2", "H800"), merge_ns_per_row=0.0)
     assert ring_flash_attn_setup(model=slow)["zigzag"] > ring_flash_attn_setup()["zigzag"]
+
+
+def test_predict_mode_prices_the_row_that_was_asked_for():
+    """``--docs`` / ``--window``: each layout's critical path is the model's price of the very plans
+    ``bench sim``'s masked path runs for that row (same calls, steps and shared rows per rank), the
+    striped default's search choosing as on the GPU; the figures change with the documents and the window."""
+    import torch
+
+    from striped_sp.bench import predict
+    from striped_sp.bench.docs import workload
+    from striped_sp.bench.sim import SimConfig, ring_plans, sim_kernel
+    from striped_sp.bench.sim_masked import masked_request
+
+    n, tpr, mix, layouts = 4, 1024, "lognormal:median=300,sigma=1.2", ("striped", "zigzag", "contiguous")
+    shape = predict.PredictShape(heads=8, kv_heads=2, head_dim=64)
+    cfg = SimConfig(layouts=layouts, heads=8, kv_heads=2, head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    kernel = sim_kernel(cfg)
+    model = gpu_model("fa4", "H100")
+    crit = {}
+    for docs, window in ((None, 0), (mix, 0), (None, 256), (mix, 256)):
+        recs = predict_layouts("H100", "auto", layouts, n, tpr, shape, docs=docs, window=window)
+        for layout in layouts:
+            rec = next(r for r in recs if r["layout"] == layout and r["pass"] == "fwd+bwd")
+            crit[(docs, window, layout)] = rec["critical_path_ms"]
+            if docs is None and not window:
+                continue
+            with predict._searching_on("H100"):  # the sim's own plans for the row, chosen as on the GPU
+                work = workload(layout, n, tpr, docs, window)
+                plans = ring_plans(cfg, masked_request(layout, work, docs, window), n, work.local_len, kernel)
+            assert rec["critical_path_ms"] == pytest.approx(predict._ring_seconds(model, plans, shape)["fwd+bwd"] * 1e3,
+                                                            rel=1e-12), (docs, window, layout)
+            assert rec["padding_tokens"] == work.padding_tokens and rec["documents"] == len(work.mask.bounds) - 1
+            if layout == "striped" and docs:
+                assert "fa4@H100" in rec["plan"]  # the search priced candidates by the GPU's model
+    for layout in layouts:
+        figures = [crit[(d, w, layout)] for d in (None, mix) for w in (0, 256)]
+        assert len(set(figures)) == 4, (layout, figures)
+
+
+def test_predict_mode_on_the_command_line_takes_docs_and_window_and_refuses_what_it_cannot_price(capsys):
+    from striped_sp.cli import main
+
+    def table(*extra):
+        assert main(["bench", "sim", "--predict", "H100", "--world-sizes", "4", "--tokens-per-rank", "1024",
+                     "--layouts", "striped,zigzag", *extra]) == 0
+        out = capsys.readouterr().out
+        return [line for line in out.splitlines() if line.startswith(("striped ", "zigzag "))], out
+
+    dense, _ = table()
+    packed, out = table("--docs", "lognormal:median=300,sigma=1.2")
+    assert "documents lognormal:median=300,sigma=1.2" in out and "padding" in out
+    windowed, out = table("--window", "256")
+    assert "window 256" in out
+    assert dense != packed and dense != windowed and packed != windowed
+    for extra, flag in ((["--global-every", "2", "--window", "64"], "--global-every"),
+                        (["--link-gbps", "100"], "--link-gbps"), (["--plot", "x.png"], "--plot")):
+        with pytest.raises(SystemExit, match=flag):
+            main(["bench", "sim", "--predict", "H100", *extra])
