@@ -12,10 +12,12 @@ __all__ = ["format_table", "write_json", "check_plotting", "plot_speedup", "plot
 
 def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int) -> dict:
     """For a striped layout (the default's per-batch search included), the fields every bench mode
-    adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.plan.search.describe`),
+    adds to its records: ``plan`` (the placement chosen, :func:`striped_sp.plan.search.describe`, in
+    words; ``plan_stripe_size``, ``plan_whole_max`` and ``plan_whole_documents`` as data),
     ``plan_balance`` (the plan's critical path over ideal in score entries, counted as ``bench
     balance`` counts its table; ``None`` for a windowed row, whose window the count leaves out),
-    ``predicted_forward_ms`` (the cost model ``"cpu"``: forward critical path of all ``heads``;
+    ``predicted_forward_ms`` (the cost model this process places rows by, ``plan_cost_model``:
+    ``"cpu"`` without CUDA; forward critical path of all ``heads``;
     ``None`` for a windowed row, since the model knows documents, not windows) and ``predicted_ms``
     (forward+backward, the ring included: what ``stripe_size="auto"`` ranks plans by).  ``{}`` for a
     layout without stripes (contiguous, zigzag)."""
@@ -34,6 +36,8 @@ def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int
         chosen = (f"; {'one document' if len(bounds) <= 2 else 'packed'}: stripes of {stripe}"
                   + (" (the window hint)" if lay.window is not None else ""))
     return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}{chosen}",
+            "plan_stripe_size": d["stripe_size"], "plan_whole_max": d["whole_max"],
+            "plan_whole_documents": d["whole_documents"], "plan_cost_model": d["cost_model"],
             "plan_balance": None if windowed else d["balance"],
             "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * heads,
             "predicted_ms": None if windowed else d["predicted_ms"] * heads}
@@ -48,7 +52,8 @@ def plan_lines(recs: Sequence[dict], measured_key: str | None, measured_what: st
             continue
         pred = r.get("predicted_forward_ms")
         pred = ("not predicted (the cost model knows no windows)" if pred is None
-                else f"predicted {pred:.1f} ms, fwd+bwd {r.get('predicted_ms') or 0:.1f} ms (cost model 'cpu', "
+                else f"predicted {pred:.1f} ms, fwd+bwd {r.get('predicted_ms') or 0:.1f} ms (cost model "
+                     f"{r.get('plan_cost_model', 'cpu')!r}, "
                      f"balance {r['plan_balance']:.4f})")
         who = r.get("layout", r.get("impl"))
         meas = "" if measured_key is None or r.get(measured_key) is None else \
@@ -149,7 +154,8 @@ def plot_balance(path: str, recs: list[dict], masked: bool = False) -> None:
     for lay in sorted({r["layout"] for r in recs}):
         pts = sorted((r["world_size"], r["critical_path_over_ideal"]) for r in recs if r["layout"] == lay)
         ls, mk = style.get(lay, ("-", "o"))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, marker=mk, label=lay)
+        label = "striped (default: per-batch search)" if masked and lay == "striped" else lay
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, marker=mk, label=label)
     ns = sorted({r["world_size"] for r in recs})
     if masked:
         r0 = recs[0]
