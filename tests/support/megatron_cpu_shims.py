@@ -21,7 +21,13 @@ that onto the CPU for the launched process:
   (the runs turn every fusion off) and the dataset helpers (the megatron-core wheel ships them
   built); Megatron's torch.compile'd fusions run eagerly;
 * without triton (CPU torch), megatron-core's triton batch-invariant kernels module is replaced by
-  a stub whose entry points refuse (``--batch-invariant-mode`` cannot run on CPU).
+  a stub whose entry points refuse (``--batch-invariant-mode`` cannot run on CPU);
+* MoE without Transformer Engine: megatron-core's router GEMM (0.16.1 to 0.19.2) names ``te_general_gemm``,
+  which only its Transformer Engine import defines (a ``NameError`` without it): the name is set
+  to ``None``, megatron-core's own fallback (``torch.mm``); and an expert MLP with a bias adds it
+  in place to the output of ``_ReduceFromModelParallelRegion``, which returns its input as is (a
+  view autograd forbids modifying in place): that function's forward returns a copy (the same
+  values; Transformer Engine's linear layers, used on GPUs, do not go through it).
 
 This module is never imported by the product (striped_sp/): it lives in tests/ on purpose.
 """
@@ -217,6 +223,38 @@ def _no_pinned_loader_memory() -> None:
     data.DataLoader.__init__ = __init__
 
 
+def _moe_router_without_te() -> None:
+    """megatron-core 0.16.1's ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``,
+    a name its ``moe_utils`` binds only when Transformer Engine imports: bind it to ``None`` (the
+    branch megatron-core takes for float64 routers, ``torch.mm``)."""
+    try:
+        moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _reduce_region_returns_a_copy() -> None:
+    """megatron-core's ``_ReduceFromModelParallelRegion.forward`` returns its input (all-reduced in
+    place, or untouched on one rank), which autograd treats as a view of it; an MoE expert's MLP
+    then adds its bias in place (``output += ...``, megatron-core 0.16.1 ``mlp.py``) and autograd
+    refuses.  Return a copy of the same values instead."""
+    try:
+        mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    except ImportError:
+        return
+    region = mappings._ReduceFromModelParallelRegion
+    if getattr(region.forward, "__cpu_shim__", False):
+        return
+
+    def forward(ctx, input_, group):
+        return mappings._reduce(input_, group).clone()
+
+    forward.__cpu_shim__ = True
+    region.forward = staticmethod(forward)
+
+
 def apply() -> None:
     """Make the current process run Megatron's CUDA-only calls on the CPU (idempotent)."""
     global _MODE
@@ -291,5 +329,7 @@ def apply() -> None:
     _use_prebuilt_dataset_helpers()
     _no_pinned_loader_memory()
     _skip_fused_kernel_build()
+    _moe_router_without_te()
+    _reduce_region_returns_a_copy()
     _MODE = _CudaToCpu()
     _MODE.__enter__()

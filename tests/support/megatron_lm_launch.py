@@ -8,7 +8,8 @@ CP=1); ``--no-patch DIR``
 runs the unmodified DIR through ``striped_sp.megatron.pretrain_gpt`` (the no-patch entry).
 
 ``STRIPED_SP_TEST_SCALE_FACTOR=F`` multiplies the softmax scale of striped_sp's core attention by F
-(a planted bug: the loss comparison must notice it).
+(a planted bug: the loss comparison must notice it).  ``STRIPED_SP_TEST_PLANT=NAME`` plants one of
+:data:`PLANTS` (the MoE comparisons must notice each).
 """
 
 import os
@@ -32,6 +33,31 @@ def _plant_wrong_softmax_scale(factor: float) -> None:
     attention.ContextParallelAttention.__init__ = __init__
 
 
+def _plant_contiguous_batch() -> None:
+    """The ``[b, s]`` batch cut into contiguous chunks, not striped: RoPE and the attention still
+    take the striped positions."""
+    from striped_sp.megatron import data
+
+    data.rows_layout = lambda layout: "contiguous"
+
+
+def _plant_router_without_cp() -> None:
+    """MoE routers that reduce their token counts over the tensor-parallel group only, not over
+    TP x CP: each CP rank's aux losses see its own tokens."""
+    from megatron.core.transformer.moe import router
+
+    original = router.Router.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.tp_cp_group = self.tp_group
+
+    router.Router.__init__ = __init__
+
+
+PLANTS = {"contiguous-batch": _plant_contiguous_batch, "router-without-cp": _plant_router_without_cp}
+
+
 def main() -> None:
     route, root, argv = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3:]
     if root not in sys.path:
@@ -40,6 +66,9 @@ def main() -> None:
     factor = os.environ.get("STRIPED_SP_TEST_SCALE_FACTOR")
     if factor:
         _plant_wrong_softmax_scale(float(factor))
+    plant = os.environ.get("STRIPED_SP_TEST_PLANT")
+    if plant:
+        PLANTS[plant]()
     if route == "--script":
         script = os.path.join(root, "pretrain_gpt.py")
         sys.argv = [script] + argv
