@@ -22,12 +22,12 @@ that onto the CPU for the launched process:
   built); Megatron's torch.compile'd fusions run eagerly;
 * without triton (CPU torch), megatron-core's triton batch-invariant kernels module is replaced by
   a stub whose entry points refuse (``--batch-invariant-mode`` cannot run on CPU);
-* MoE without Transformer Engine: megatron-core's router GEMM (0.16.1 to 0.19.2) names ``te_general_gemm``,
-  which only its Transformer Engine import defines (a ``NameError`` without it): the name is set
-  to ``None``, megatron-core's own fallback (``torch.mm``); and an expert MLP with a bias adds it
-  in place to the output of ``_ReduceFromModelParallelRegion``, which returns its input as is (a
-  view autograd forbids modifying in place): that function's forward returns a copy (the same
-  values; Transformer Engine's linear layers, used on GPUs, do not go through it).
+* MoE without Transformer Engine: megatron-core's router GEMM (0.16.1 to 0.19.2) names
+  ``te_general_gemm``, which only its Transformer Engine import defines (a ``NameError`` without
+  it): the name is set to ``None``, megatron-core's own fallback (``torch.mm``); and an expert MLP
+  with a bias adds it in place to the output of ``_ReduceFromModelParallelRegion``, which returns
+  its input as is (a view autograd forbids modifying in place): that function's forward returns a
+  copy (the same values; Transformer Engine's linear layers, used on GPUs, do not go through it).
 
 This module is never imported by the product (striped_sp/): it lives in tests/ on purpose.
 """
