@@ -169,7 +169,8 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                 if cfg.docs or cfg.window:
                     work = workload(lay, n_ranks, n, cfg.docs, cfg.window)
                     mask_kw = {"cu_seqlens": torch.tensor(work.mask.bounds) if cfg.docs else None,
-                               "window_size": (cfg.window, 0) if cfg.window else None}
+                               "window_size": (cfg.window, 0) if cfg.window else None,
+                               "sharded_by_documents": True}  # random local rows: nothing was sharded
                     padding[lay] = work.padding_tokens
                     if work.local_len != n:  # zigzag's padded row
                         m = work.local_len

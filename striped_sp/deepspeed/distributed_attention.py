@@ -131,7 +131,8 @@ class DistributedAttention(torch.nn.Module):
         if cached is None or cached[0] != key:
             cached = self._request = (key, RingRequest(
                 self.spg, layout=self.layout, causal=self.causal, softmax_scale=self.softmax_scale,
-                backend=self.backend, window_size=self.window_size, ulysses_groups=self.ulysses_groups))
+                backend=self.backend, window_size=self.window_size, ulysses_groups=self.ulysses_groups,
+                sharded_by_documents=True))  # shard_batch shards by documents, maybe in a loader worker
         return cached[1]
 
     def extra_repr(self) -> str:

@@ -56,7 +56,8 @@ class _Settings:
         if found is None:
             found = self.requests[key] = RingRequest(
                 self.group, layout=self.layout, causal=causal, softmax_scale=scaling, backend=self.backend,
-                window_size=window, ulysses_groups=self.ulysses_groups)
+                window_size=window, ulysses_groups=self.ulysses_groups,
+                sharded_by_documents=True)  # shard_batch shards by documents (position_ids checked)
         return found
 
 

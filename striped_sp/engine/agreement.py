@@ -252,6 +252,8 @@ def agree(group, fields: Sequence[tuple[str, Any]] | None, *, what: str = "ring_
             raise error
         raise ValueError(f"{what}: " + "; ".join(f"rank {r} of the group refused: {causes[r]}" for r in failed)
                          + " (no rank started the ring)")
+    if error is not None:  # a table that does not show this rank's own failure (a fake or broken group): still its own
+        raise error
     if any(d != table[0][1] for _, d in table):
         detail = _describe_mismatch(fields, group, device, timeout, what)
         raise ValueError(f"{what}: the ranks of the group were called with different arguments: {detail}. "

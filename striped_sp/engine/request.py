@@ -36,6 +36,7 @@ from ..kernels import BACKENDS, Kernel, accumulator_dtype, gqa_probe_enabled, re
 from ..plan.layouts import Layout, get_layout
 from ..plan.masks import MaskSpec, as_bounds, check_window, make_mask
 from ..plan.ring_plan import HostPlan, RingPlan
+from ..plan.sharded_rows import sharding_error, sharding_state
 from .plans import host_plan_for, plan_for
 from .transport import DEFAULT_TIMEOUT_S, TorchTransport, ring_timeout
 from .step import strict_block_mode
@@ -98,7 +99,7 @@ class RingRequest:
                  backend: str = "auto", cu_seqlens=None, window_size=None, sliding_window=None,
                  deterministic: bool = False, ulysses_size: int = 1, ulysses_groups=None,
                  grad_comm_dtype: torch.dtype | None = None, timeout: float | None = None,
-                 stripe_size: int | None = None, doc_placement=None):
+                 stripe_size: int | None = None, doc_placement=None, sharded_by_documents: bool = False):
         self.group = check_group(group)
         self.layout: Layout = get_layout(layout, stripe_size, doc_placement)
         self.causal = check_flag("causal", causal)
@@ -109,6 +110,7 @@ class RingRequest:
         self.window = window_of(window_size, sliding_window, self.causal)
         self.bounds = None if cu_seqlens is None else batch_bounds(cu_seqlens)
         self.deterministic = check_flag("deterministic", deterministic)
+        self.sharded_by_documents = check_flag("sharded_by_documents", sharded_by_documents)
         if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
             raise ValueError(f"ulysses_size={ulysses_size!r} must be a positive int")
         self.ulysses_size, self.ulysses_groups = ulysses_size, ulysses_groups
@@ -146,6 +148,10 @@ class RingRequest:
         model, where the batch is made: the layers then find it in the plan cache.  Checks the
         documents and window (``ValueError``); sends nothing.  ``world_size`` / ``rank``: of the
         CP group (default: this request's group)."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
+            raise TypeError(f"prepare: seq_len={seq_len!r} must be an int (the tokens of the global row), "
+                            f"got {type(seq_len).__name__}")
+        seq_len = int(seq_len)
         if (world_size is None) != (rank is None):
             raise ValueError(f"prepare: world_size={world_size!r} and rank={rank!r}: give both (the CP group's size "
                              "and this rank in it) or neither (then the request's group says)")
@@ -182,8 +188,12 @@ class RingRequest:
             if setting_error is not None:
                 raise setting_error
             call = self._prepare(q, k, v, group)
+            n = dist.get_world_size(group)
+            sharded = sharding_state(self.layout, q.size(1) * n, n, self.bounds, self.sharded_by_documents)
         if check_ranks:
-            self._agree(q, k, v, group, call, timeout)
+            self._agree(q, k, v, group, call, timeout, sharded)
+        if sharded is False:  # the same on every rank once they agreed: all raise, before the ring's first message
+            raise ValueError(sharding_error("ring_attention", self.layout, q.size(1) * n, n, self.bounds))
         value_dim = v.size(-1)
         q, k, v = _equal_head_dims(q, k, v, call.kernel)
         if call.ulysses == 1 and not self.hierarchical:
@@ -273,7 +283,7 @@ class RingRequest:
         # a layout whose stripes depend on the row (a window hint) runs the dense plans where they are 1
         return None if plain and self.layout.dense_row(local_len * n, n) else mask
 
-    def _agree(self, q, k, v, group, call: _Call, timeout) -> None:
+    def _agree(self, q, k, v, group, call: _Call, timeout, sharded: bool | None = None) -> None:
         """Every rank of ``group`` passed the same signature (:func:`striped_sp.engine.agreement.agree`: one
         small exchange the first time the group sees it, nothing afterwards); else a ``ValueError`` on
         every rank naming the field and both values."""
@@ -286,6 +296,7 @@ class RingRequest:
             ("window_size", None if mask is None else (mask.left, mask.right)),
             ("ulysses_size", call.ulysses), ("backend", call.kernel.name), ("grad_comm_dtype", call.comm),
             ("deterministic", self.deterministic),
+            ("sharded by documents", sharded),  # None where the documents move no token
         ]
         agree(group, fields, what="ring_attention", device=q.device, timeout=timeout, enabled=True)
 
@@ -306,6 +317,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
         raise ValueError(f"k and v must match in batch, s_local and kv heads, got k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)} (only the head dim may differ)")
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.size(1) == 0:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}: an empty local sequence (s_local = 0): the local "
+                             "sequence length must be positive (the global row of S tokens, S / N per rank)")
         if min(t.shape) == 0:
             raise ValueError(f"{name} has shape {tuple(t.shape)}: every dim (batch, s_local, heads, head_dim) "
                              "must be positive")
@@ -332,11 +346,13 @@ def check_group(group):
 def check_flag(name: str, value) -> bool:
     """A bool argument (``causal``, ``deterministic``): a Python or NumPy bool, or the int 0 / 1;
     anything else (a string such as ``"False"``, which ``bool()`` reads as true) is a ``TypeError``."""
-    if isinstance(value, bool) or (type(value).__name__ == "bool_" and type(value).__module__ == "numpy"):
-        return bool(value)
+    kind = type(value)
+    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")):
+        return bool(value)  # NumPy 2 names its bool scalar type "bool", NumPy 1 "bool_"
     if isinstance(value, numbers.Integral) and value in (0, 1):
         return bool(value)
-    raise TypeError(f"{name}={value!r} must be a bool, got {type(value).__name__}")
+    where = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
+    raise TypeError(f"{name}={value!r} must be a bool, got {where}{kind.__name__}")
 
 
 def check_scale(softmax_scale) -> float | None:
@@ -420,6 +436,7 @@ def ring_attention(
     timeout: float | None = None,
     stripe_size: int | None = None,
     doc_placement=None,
+    sharded_by_documents: bool = False,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -442,7 +459,14 @@ def ring_attention(
             *global* row of ``S = s_local * world_size`` tokens (the THD convention), the same on
             every rank; needs ``batch == 1``.  A query attends to its own document only.  Under
             ``zigzag`` every document must be a multiple of ``2 * world_size`` long
-            (:func:`striped_sp.pad_documents`).
+            (:func:`striped_sp.pad_documents`).  Where the layout places a packed row's tokens by its
+            documents (the default ``striped``'s search, ``zigzag``, per-document stripes, whole-document
+            placement), shard q, k, v with the same ``cu_seqlens`` (``striped_sp.shard(t, n, rank,
+            layout=..., cu_seqlens=cu)``): a row no such ``shard`` call of this process sharded is refused
+            with a ``ValueError`` on every rank before the ring starts (a dense shard holds other tokens).
+        sharded_by_documents: the inputs were sharded with ``cu_seqlens`` by other means (a
+            ``DataLoader`` worker, the index of :func:`striped_sp.positions` with ``cu_seqlens``): skip
+            the check above.
         window_size: ``(left, right)`` sliding window (flash-attn / Megatron convention): a query at
             global position ``p`` sees keys ``p-left .. p+right``; ``-1`` = no limit; ``right`` must
             be 0 when ``causal``.  Hugging Face's ``sliding_window=W`` is ``(W - 1, 0)``.
@@ -500,7 +524,7 @@ def ring_attention(
                               cu_seqlens=cu_seqlens, window_size=window_size, deterministic=deterministic,
                               ulysses_size=ulysses_size, ulysses_groups=ulysses_groups,
                               grad_comm_dtype=grad_comm_dtype, timeout=timeout, stripe_size=stripe_size,
-                              doc_placement=doc_placement)
+                              doc_placement=doc_placement, sharded_by_documents=sharded_by_documents)
     return request(q, k, v)
 
 

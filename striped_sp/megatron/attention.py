@@ -269,7 +269,7 @@ class ContextParallelAttention(MegatronModule):
             request = requests[key] = RingRequest(
                 self.cp_group, layout=layout, causal=causal, softmax_scale=self.softmax_scale,
                 backend=self.backend, window_size=self.window_size, deterministic=self.deterministic,
-                ulysses_groups=self.ulysses_groups)
+                ulysses_groups=self.ulysses_groups, sharded_by_documents=True)  # get_batch shards by documents
         return request
 
     def _ring(self, q, k, v, causal: bool, cu_seqlens, layout: str | None = None):

@@ -573,9 +573,18 @@ def _check_dim(what: str, name: str, x, dim) -> int:
 
 def shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1, layout: str = "striped",
           cu_seqlens=None, stripe_size: int | None = None, doc_placement=None) -> torch.Tensor:
-    """The part of ``x`` that ``rank`` holds: ``x.index_select(dim, positions(...))``."""
+    """The part of ``x`` that ``rank`` holds: ``x.index_select(dim, positions(...))``.
+
+    A packed row whose placement depends on its documents (the default ``striped``, ``zigzag``) must
+    be sharded with its ``cu_seqlens``: this call notes that it was, and ``ring_attention(...,
+    cu_seqlens=)`` refuses a row no such call sharded (:mod:`striped_sp.plan.sharded_rows`)."""
     dim = _check_dim("shard", "x", x, dim)
-    idx = positions(x.size(dim), world_size, rank, layout, cu_seqlens, stripe_size, doc_placement).to(x.device)
+    lay = get_layout(layout, stripe_size, doc_placement)
+    idx = positions(x.size(dim), world_size, rank, lay, cu_seqlens).to(x.device)
+    if cu_seqlens is not None:
+        from .sharded_rows import record_sharded
+
+        record_sharded(lay, world_size, cu_seqlens)
     return x.index_select(dim, idx)
 
 

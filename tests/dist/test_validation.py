@@ -118,7 +118,8 @@ def check_mask_mismatch_across_ranks(what):
              else r"rank 1 passed window_size=\(3, 0\), rank 0 passed \(2, 0\)")
     with pytest.raises(ValueError, match=match):
         striped_sp.ring_attention(q, k, v, **bad)
-    good = {"cu_seqlens": torch.tensor([0, 3, 8])} if what == "cu_seqlens" else {"window_size": (2, 0)}
+    good = ({"cu_seqlens": torch.tensor([0, 3, 8]), "sharded_by_documents": True}  # random rows: nothing sharded
+            if what == "cu_seqlens" else {"window_size": (2, 0)})
     assert torch.isfinite(striped_sp.ring_attention(q, k, v, **good)).all()
 
 
@@ -131,7 +132,8 @@ def check_one_rank_fails_its_own_checks():
     match = "strictly increasing" if rank == 1 else r"rank 1 of the group refused: ValueError: .*strictly increasing"
     with pytest.raises(ValueError, match=match):
         striped_sp.ring_attention(q, k, v, cu_seqlens=cu)
-    assert torch.isfinite(striped_sp.ring_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 8]))).all()
+    assert torch.isfinite(striped_sp.ring_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 8]),
+                                                    sharded_by_documents=True)).all()  # random rows
 
 
 def check_kernel_failure_leaves_ring_clean():
