@@ -4,7 +4,7 @@
 policy, and the cost model the ``auto`` choices and plans use (a calibration, or the table's).
 The Megatron adapter logs it with Python logging (``striped_sp.megatron``, INFO, as megatron-core's
 ``log_single_rank``; Megatron-LM's training sets the root logger to INFO), the DeepSpeed adapter with
-DeepSpeed's own logger (``deepspeed.utils.log_dist``, ranks ``[0]``).  Nothing here communicates.
+the ``striped_sp.deepspeed`` logger at INFO, shown by default on rank 0 (:mod:`striped_sp.deepspeed.report`).  Nothing here communicates.
 """
 
 from __future__ import annotations

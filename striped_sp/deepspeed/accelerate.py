@@ -46,6 +46,7 @@ import torch
 from .config import ContextParallelSettings, check_requested, load_config, parse_config
 from .data import ShardingCollator
 from .env import skip_cpu_shm_comm_build
+from .initialize import check_model
 from .groups import sequence_parallel_groups
 from .window_hint import with_model_window
 
@@ -180,6 +181,8 @@ def enable_accelerate(accelerator, seed: int = 0, config: Any = None, model: Any
     check_requested(cfg)
     settings = with_model_window(parse_config(cfg, world_size=accelerator.num_processes), model)
     _check_accelerator(accelerator, settings)
+    if model is not None:
+        check_model(model, settings)
     autos = _drop_auto_values(deepspeed_config_of(accelerator))
     if getattr(accelerator, "_striped_sp", None) is not None:
         return accelerator._striped_sp

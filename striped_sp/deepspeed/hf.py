@@ -33,6 +33,7 @@ from ..engine.agreement import CHECK_RANKS_ENV, agreeing, per_call_checks_enable
 from ..plan.layouts import positions
 from ..plan.packing import document_positions
 from ..engine.request import RingRequest, window_of
+from .mixers import check_model_mixers
 from .packed import batch_bounds
 
 __all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "hf_window", "register_hf_attention"]
@@ -91,7 +92,8 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
     :func:`striped_sp.deepspeed.shard_batch`, or packed positions without their boundaries).
     ``ulysses_groups``: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` for
     hierarchical CP (Ulysses inside, the ring across); the data path does not change.
-    Returns ``model``.
+    Returns ``model``.  ``ValueError`` for a model with token mixers other than attention
+    (gated delta net, Mamba, short convolutions: :mod:`.mixers`), naming each.
     """
     global _ACTIVE
     RingRequest(group, layout=layout, backend=backend)  # ValueError for an unknown layout or backend
@@ -99,6 +101,7 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
         raise ValueError(
             f"{type(model).__name__} is not a transformers PreTrainedModel (no set_attn_implementation)"
         )
+    check_model_mixers(model)
     dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ValueError(

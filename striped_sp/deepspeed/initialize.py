@@ -30,13 +30,14 @@ from ..plan.layouts import get_layout
 from .config import ContextParallelSettings, check_requested, load_config, parse_config
 from .distributed_attention import DistributedAttention
 from .env import skip_cpu_shm_comm_build
+from .mixers import check_model_mixers
 from .groups import SequenceParallelGroups, sequence_parallel_groups, ulysses_groups
 from .report import announce
 from .window_hint import with_model_window
 from .data import IGNORE_INDEX, ShardedDataLoader
 from .zero import check_sequence_parallel_settings, fix_zero3_sequence_parallel_grads
 
-__all__ = ["initialize", "adapt_model", "global_loss_hook", "check_model_heads"]
+__all__ = ["initialize", "adapt_model", "global_loss_hook", "check_model", "check_model_heads"]
 
 _DEFAULT_PORT = 29500
 
@@ -73,6 +74,17 @@ def _resolve_config(args, config, config_params):
 
 def _is_hf_model(model) -> bool:
     return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+
+
+def check_model(model, settings: ContextParallelSettings) -> None:
+    """What a model must be for ``settings``, checked where a route is built, before any
+    collective: its heads against ``ulysses_size`` (:func:`check_model_heads`) and, for a
+    transformers model, no token mixer the ring does not run (:func:`.mixers.check_model_mixers`)."""
+    if not settings.enabled:
+        return
+    check_model_heads(model, settings)
+    if _is_hf_model(model):
+        check_model_mixers(model)
 
 
 def check_model_heads(model, settings: ContextParallelSettings) -> None:
@@ -258,7 +270,7 @@ def initialize(
         raise ValueError("mesh_param and sequence_parallel_size > 1 do not mix: the SP groups come from the config")
     if settings.enabled:
         check_sequence_parallel_settings(cfg, model)
-        check_model_heads(model, settings)
+        check_model(model, settings)
     skip_cpu_shm_comm_build()
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),

@@ -1,16 +1,27 @@
-"""The setup line of the DeepSpeed route (:func:`striped_sp.setup_report.setup_line`), logged once by
-:func:`~striped_sp.deepspeed.initialize` on global rank 0 with DeepSpeed's logger
-(``deepspeed.utils.log_dist``), and the line that says context parallelism is off where the JSON
-has the section at ``sequence_parallel_size: 1``."""
+"""The setup line of the DeepSpeed route (:func:`striped_sp.setup_report.setup_line`), said once by
+:func:`~striped_sp.deepspeed.initialize` on global rank 0, and the line that says context
+parallelism is off where the JSON has the section at ``sequence_parallel_size: 1``.
+
+Both go to the ``striped_sp.deepspeed`` logger at INFO, which is on by default: DeepSpeed's own
+logger stays at WARNING unless the user raises it, and a user who set the run going with a
+``context_parallel`` section must see that it is on.  The logger is set to INFO (unless the user
+set its level) and, where no handler is configured anywhere, gets one on stderr; nothing else's
+level changes."""
 
 from __future__ import annotations
+
+import logging
+import sys
 
 import torch
 import torch.distributed as dist
 
 from .config import SECTION, ContextParallelSettings
 
-__all__ = ["setup_line", "announce"]
+__all__ = ["setup_line", "announce", "LOGGER"]
+
+#: the logger the setup line goes to (INFO, shown by default; silence it with its level)
+LOGGER = logging.getLogger("striped_sp.deepspeed")
 
 
 def _dtype(model, config: dict) -> torch.dtype:
@@ -56,13 +67,24 @@ def setup_line(model, settings: ContextParallelSettings, groups, config: dict) -
                 _head_dim(model), '"calibrate": true measures it', gqa=_gqa(model))
 
 
-def announce(model, settings: ContextParallelSettings, groups, config: dict) -> None:
-    """Log the setup line on global rank 0 (or, where the JSON has the section at
-    ``sequence_parallel_size: 1``, that context parallelism is off)."""
-    from deepspeed.utils import log_dist
+def _say(message: str) -> None:
+    """``message`` at INFO on :data:`LOGGER`, on global rank 0 only, shown without any logging setup."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if LOGGER.level == logging.NOTSET:
+        LOGGER.setLevel(logging.INFO)
+    if not LOGGER.hasHandlers():  # Python would show only warnings (its last-resort handler)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[striped_sp] %(message)s"))
+        LOGGER.addHandler(handler)
+    LOGGER.info(message)
 
+
+def announce(model, settings: ContextParallelSettings, groups, config: dict) -> None:
+    """Say the setup line on global rank 0 (or, where the JSON has the section at
+    ``sequence_parallel_size: 1``, that context parallelism is off)."""
     if settings.enabled:
-        log_dist(setup_line(model, settings, groups, config), ranks=[0])
+        _say(setup_line(model, settings, groups, config))
     elif config.get(SECTION) is not None:
-        log_dist(f"striped_sp off: sequence_parallel_size {settings.sequence_parallel_size}, the {SECTION} "
-                 "section is not used (every rank a data-parallel replica)", ranks=[0])
+        _say(f"striped_sp off: sequence_parallel_size {settings.sequence_parallel_size}, the {SECTION} "
+             "section is not used (every rank a data-parallel replica)")

@@ -45,7 +45,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from .accelerate import enable_accelerate
 from .config import check_requested, load_config, parse_config
-from .initialize import check_model_heads
+from .initialize import check_model
 from .window_hint import with_model_window
 from .trainer_guard import building_ours
 from .zero import check_sequence_parallel_settings
@@ -105,7 +105,7 @@ class ContextParallelTrainer(Trainer):
         model = kwargs.get("model", args[0] if args else None)
         self._striped_sp_model = None if isinstance(model, str) else model
         if self._striped_sp_model is not None:
-            check_model_heads(model, self.context_parallel)
+            check_model(model, self.context_parallel)
             self.context_parallel = with_model_window(self.context_parallel, model)
         with building_ours():  # the guard on plain Trainers given our JSON lets this one pass
             super().__init__(*args, **kwargs)

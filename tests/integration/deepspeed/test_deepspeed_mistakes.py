@@ -134,10 +134,11 @@ def test_the_setup_line_names_layout_groups_kernel_stripes_and_cost_model(world_
 
 def test_initialize_says_when_the_section_is_not_used(world_of_one, monkeypatch):
     import deepspeed
-    from deepspeed import utils
+
+    from striped_sp.deepspeed import report
 
     said = []
-    monkeypatch.setattr(utils, "log_dist", lambda message, ranks=None: said.append((message, ranks)))
+    monkeypatch.setattr(report, "_say", lambda message: said.append(message))
 
     class Reached(Exception):
         pass
@@ -150,5 +151,5 @@ def test_initialize_says_when_the_section_is_not_used(world_of_one, monkeypatch)
         ssd.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1,
                                                             "sequence_parallel_size": 1,
                                                             "context_parallel": {"algo": "striped"}})
-    assert said == [("striped_sp off: sequence_parallel_size 1, the context_parallel section is not used "
-                     "(every rank a data-parallel replica)", [0])]
+    assert said == ["striped_sp off: sequence_parallel_size 1, the context_parallel section is not used "
+                    "(every rank a data-parallel replica)"]
