@@ -244,7 +244,8 @@ def _masked_sim(args, device, dtype) -> int:
     first = [r for r in recs if r["pass"] == "forward" and r.get("global_every", 0) == (args.global_every or [0])[0]]
     if args.global_every:  # the cost model predicts the global layer (it knows no windows)
         first = [{**r, "predicted_forward_ms": r.get("global_predicted_forward_ms"),
-                  "measured_forward_ms": r.get("global_measured_forward_ms")} for r in first]
+                  "measured_forward_ms": r.get("global_measured_forward_ms"),
+                  "plan_balance": r.get("global_plan_balance")} for r in first]
     print("\n".join(plan_lines(first, "measured_forward_ms",
                                "global layer forward" if args.global_every else "forward")))
     if args.json:

@@ -51,7 +51,7 @@ def combine_layers(window_recs: list[dict], global_recs: list[dict], ks: list[in
     ``time_key``), ``window_share`` (the window layers' share of the block time) and the speedups
     ``speedup_vs_contiguous`` / ``speedup_vs_zigzag`` of the block time (``None`` without those
     layouts).  The global record's predicted and measured forward time, when it has them, are kept as
-    ``global_predicted_forward_ms`` / ``global_measured_forward_ms``."""
+    ``global_predicted_forward_ms`` / ``global_measured_forward_ms`` / ``global_plan_balance``."""
     def key(r):
         return (r[who], r["world_size"], r["seq_len"], r.get("pass"))
 
@@ -67,7 +67,7 @@ def combine_layers(window_recs: list[dict], global_recs: list[dict], ks: list[in
             total = None if tw is None or tg is None else (k - 1) * tw + tg
             rec = {**w, time_key: total, "global_every": k, "window_layer_ms": tw, "global_layer_ms": tg,
                    "block_ms": total, "window_share": None if not total else (k - 1) * tw / total}
-            for field in ("predicted_forward_ms", "measured_forward_ms"):
+            for field in ("predicted_forward_ms", "measured_forward_ms", "plan_balance"):
                 if g.get(field) is not None:
                     rec["global_" + field] = g[field]
             rec.pop("efficiency", None)

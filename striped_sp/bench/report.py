@@ -53,8 +53,8 @@ def plan_lines(recs: Sequence[dict], measured_key: str | None, measured_what: st
         pred = r.get("predicted_forward_ms")
         pred = ("not predicted (the cost model knows no windows)" if pred is None
                 else f"predicted {pred:.1f} ms, fwd+bwd {r.get('predicted_ms') or 0:.1f} ms (cost model "
-                     f"{r.get('plan_cost_model', 'cpu')!r}, "
-                     f"balance {r['plan_balance']:.4f})")
+                     f"{r.get('plan_cost_model', 'cpu')!r}"
+                     + ("" if r.get("plan_balance") is None else f", balance {r['plan_balance']:.4f}") + ")")
         who = r.get("layout", r.get("impl"))
         meas = "" if measured_key is None or r.get(measured_key) is None else \
             f"; measured {measured_what} {r[measured_key]:.1f} ms"
