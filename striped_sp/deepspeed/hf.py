@@ -33,7 +33,8 @@ from ..engine.agreement import CHECK_RANKS_ENV, agreeing, per_call_checks_enable
 from ..plan.layouts import positions
 from ..plan.packing import document_positions
 from ..engine.request import RingRequest, window_of
-from .mixers import check_model_mixers
+from .hybrid import inside_gathered_mixer, wrap_mixers
+from .mixers import refuse_mixers
 from .packed import batch_bounds
 
 __all__ = ["ATTN_IMPLEMENTATION", "enable_hf_attention", "hf_attention_forward", "hf_window", "register_hf_attention"]
@@ -63,6 +64,18 @@ class _Settings:
 
 
 _ACTIVE: _Settings | None = None
+#: the document boundaries of the batch the model runs now (its forward pre-hook reads them), for
+#: the hybrid mixers (:mod:`.hybrid`), which refuse packed rows
+_BATCH_BOUNDS: list = [None]
+
+
+def _mixer_settings():
+    """What a wrapped mixer (:mod:`.hybrid`) needs at call time: group, layout, the batch's bounds."""
+    import types
+
+    if _ACTIVE is None:
+        raise ValueError("a hybrid mixer ran with striped_sp attention not set up: call enable_hf_attention")
+    return types.SimpleNamespace(group=_ACTIVE.group, layout=_ACTIVE.layout, cu_seqlens=_BATCH_BOUNDS[0])
 
 
 def _import_transformers():
@@ -92,8 +105,9 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
     :func:`striped_sp.deepspeed.shard_batch`, or packed positions without their boundaries).
     ``ulysses_groups``: ``(inner, outer)`` from :func:`striped_sp.ulysses_ring_groups` for
     hierarchical CP (Ulysses inside, the ring across); the data path does not change.
-    Returns ``model``.  ``ValueError`` for a model with token mixers other than attention
-    (gated delta net, Mamba, short convolutions: :mod:`.mixers`), naming each.
+    Returns ``model``.  A hybrid model's other token mixers (gated delta net, Mamba, short
+    convolutions) run on the whole gathered sequence (:mod:`.hybrid`); a mixer that cannot
+    (:mod:`.mixers`) is a ``ValueError`` naming it.
     """
     global _ACTIVE
     RingRequest(group, layout=layout, backend=backend)  # ValueError for an unknown layout or backend
@@ -101,7 +115,9 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
         raise ValueError(
             f"{type(model).__name__} is not a transformers PreTrainedModel (no set_attn_implementation)"
         )
-    check_model_mixers(model)
+    left = wrap_mixers(model, _mixer_settings)  # hybrids: their scans / convolutions on the whole sequence
+    if left:
+        refuse_mixers(model, left)
     dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ValueError(
@@ -139,6 +155,7 @@ def _check_mask(attention_mask) -> None:
 
 
 def _padding_mask_pre_hook(module, args, kwargs):
+    _BATCH_BOUNDS[0] = _boundaries(kwargs)
     mask = kwargs.get("attention_mask")
     if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
         mask = args[1]
@@ -201,6 +218,9 @@ def hf_attention_forward(
         )
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by the ring engine; use 0.0")
+    if inside_gathered_mixer() is not None:
+        raise ValueError(f"{inside_gathered_mixer()}: an attention inside a token mixer that runs on the gathered "
+                         "sequence cannot run the ring; train this model with sequence_parallel_size=1")
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by the ring engine yet: use a model without it")

@@ -12,6 +12,8 @@ What the model contains decides, never its name (names go stale; module kinds do
 * ``config.layer_types`` (of the text config): every entry must be an attention kind the ring runs
   exactly (:data:`RING_LAYER_TYPES`); ``"linear_attention"``, ``"mamba"``, ``"conv"``,
   ``"chunked_attention"`` and anything new are refused, naming the layer.
+* a model none of whose modules calls transformers' attention registry (xLSTM): its mixing is
+  all something else;
 * the modules: a ``Conv1d`` with a kernel longer than one token (the short causal convolution of
   every Mamba, gated-delta and short-conv mixer), or a parameter only a recurrence over the
   sequence has (:data:`RECURRENCE_PARAMETERS`: a state-space decay ``A_log``, a scan step bias
@@ -25,10 +27,13 @@ input does, with attention made per-token?) and asserts each one that mixes is r
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 
 import torch
 
-__all__ = ["RING_LAYER_TYPES", "RECURRENCE_PARAMETERS", "UnhandledMixer", "unhandled_mixers", "check_model_mixers"]
+__all__ = ["RING_LAYER_TYPES", "RECURRENCE_PARAMETERS", "UnhandledMixer", "unhandled_mixers", "runnable",
+           "check_model_mixers", "refuse_mixers"]
 
 #: ``layer_types`` entries the ring runs exactly: attention (full causal, sliding window), and
 #: layers that mix no tokens (Nemotron-H's MLP-only ``moe`` / ``mlp`` layers)
@@ -47,6 +52,12 @@ class UnhandledMixer:
     path: str
     kind: str
     evidence: str
+
+    @property
+    def runnable(self) -> bool:
+        """Whether :mod:`.hybrid` runs it on the gathered sequence: a module holds it (a
+        ``layer_types`` entry with no module, a linear or chunked attention, does not)."""
+        return not self.path.startswith("config.")
 
     def describe(self) -> str:
         where = f"layer {self.layer} " if self.layer is not None else ""
@@ -82,6 +93,29 @@ def _layer_type_mixers(model) -> list[UnhandledMixer]:
             for i, kind in enumerate(layer_types) if kind not in RING_LAYER_TYPES]
 
 
+@functools.lru_cache(maxsize=None)
+def _calls_attention_functions(cls: type) -> bool:
+    """Whether ``cls.forward`` looks its attention up in transformers' registry (every attention
+    module that the ring can replace does: ``ALL_ATTENTION_FUNCTIONS``)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _no_attention(model) -> list[UnhandledMixer]:
+    """A transformers model none of whose modules calls the attention registry mixes its tokens by
+    something else entirely (xLSTM, RWKV): one entry for the whole model."""
+    if not hasattr(model, "set_attn_implementation"):
+        return []
+    if any(_calls_attention_functions(type(m)) for m in model.modules()):
+        return []
+    return [UnhandledMixer(None, "config.model", type(model).__name__,
+                           "no module calls transformers' attention functions, so its token mixing is all "
+                           "something else")]
+
+
 def unhandled_mixers(model: torch.nn.Module) -> list[UnhandledMixer]:
     """Every token mixer of ``model`` that is not an attention the ring runs, one per decoder
     layer's mixer module (then the ``layer_types`` entries of layers no module was found for),
@@ -98,21 +132,34 @@ def unhandled_mixers(model: torch.nn.Module) -> list[UnhandledMixer]:
     found = list(owners.values())
     seen_layers = {m.layer for m in found}
     found += [m for m in _layer_type_mixers(model) if m.layer not in seen_layers]
+    found += _no_attention(model)
     return sorted(found, key=lambda m: (m.layer is None, m.layer or 0, m.path))
 
 
+def runnable(model: torch.nn.Module) -> bool:
+    """Whether every token mixer of ``model`` that is not attention runs on the gathered sequence
+    (:mod:`.hybrid`); ``False`` when one cannot (then nothing of the model is wrapped)."""
+    return all(m.runnable for m in unhandled_mixers(model))
+
+
 def check_model_mixers(model: torch.nn.Module, what: str = "context parallelism") -> None:
-    """``ValueError`` naming the model class and every unhandled mixer (layer index, module, kind)
-    when ``model`` mixes tokens other than through attention the ring runs; ``None`` otherwise."""
+    """``ValueError`` naming the model class and every mixer the plugin cannot run (layer index,
+    module or layer type, kind) when ``model`` has any; ``None`` otherwise.  Mixers that run on the
+    gathered sequence (:mod:`.hybrid`) pass while every mixer of the model does."""
     found = unhandled_mixers(model)
-    if not found:
+    if all(m.runnable for m in found):
         return
-    shown = "; ".join(m.describe() for m in found[:4])
-    more = f"; and {len(found) - 4} more" if len(found) > 4 else ""
+    refuse_mixers(model, [m for m in found if not m.runnable], what)
+
+
+def refuse_mixers(model, mixers: list, what: str = "context parallelism") -> None:
+    """The ``ValueError`` for ``mixers`` of ``model`` (see :func:`check_model_mixers`)."""
+    shown = "; ".join(m.describe() for m in mixers[:4])
+    more = f"; and {len(mixers) - 4} more" if len(mixers) > 4 else ""
     raise ValueError(
-        f"{type(model).__name__} mixes tokens outside attention, which {what} would run on this rank's "
-        f"tokens only (silently wrong): {shown}{more}. striped_sp's Hugging Face path runs attention "
-        "layers only (full causal and sliding windows); train this model with sequence_parallel_size=1, "
-        "or run its Mamba layers under striped in a Megatron-LM hybrid model "
-        "(docs/deepspeed.md, 'Models with other token mixers')"
+        f"{type(model).__name__} mixes tokens outside attention in a way {what} cannot run "
+        f"(it would see this rank's tokens only: silently wrong): {shown}{more}. striped_sp's Hugging Face "
+        "path runs attention layers (full causal and sliding windows) and, on the whole gathered sequence, "
+        "the mixer modules that hold a scan or a convolution (gated delta net, Mamba, short convolutions); "
+        "train this model with sequence_parallel_size=1 (docs/deepspeed.md, 'Models with other token mixers')"
     )

@@ -18,6 +18,23 @@ TINY = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key
             head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32)
+#: tiny configs of the hybrid families with both attention and the family's mixer (the configs'
+#: defaults are large, and LFM2's puts attention in every layer)
+HYBRID_SHAPES = {
+    "qwen3_next": dict(num_hidden_layers=4, full_attention_interval=2, mlp_only_layers=[0, 1, 2, 3], linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_5_text": dict(num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4,
+                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, mamba_d_state=8, mamba_expand=2),
+    "falcon_h1": dict(num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                      mamba_n_groups=1, mamba_chunk_size=8),
+    "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+                             mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1,
+                             mamba_chunk_size=8),
+    "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"]),
+}
+
 #: models that stay larger than this at the tiny shape (composite configs with default vision
 #: towers) are skipped: their text parts are causal LM entries of their own
 MAX_PARAMETERS = 150_000_000

@@ -334,11 +334,46 @@ def _case_trainer_window():
         assert rel_err(p.detach(), expected[name]) < 1e-4, (name, rel_err(p.detach(), expected[name]))
 
 
+def _tiny_hybrid(model_type, attn):
+    from support.token_mixing import HYBRID_SHAPES, tiny_causal_lm
+
+    model, why = tiny_causal_lm(model_type, **HYBRID_SHAPES[model_type], use_cache=False, tie_word_embeddings=False)
+    assert model is not None, why
+    model.set_attn_implementation(attn)
+    return model.train()
+
+
+def _case_trainer_hybrid(model_type):
+    """A hybrid model (gated delta net / short convolution beside attention): its mixers run on the
+    gathered sequence under the Trainer; one clipped SGD step equals a plain eager model's."""
+    from accelerate.state import AcceleratorState
+
+    from striped_sp.deepspeed import ContextParallelTrainer
+
+    AcceleratorState._reset_state(True)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 100, (BATCH, 32), generator=g)
+    train = [{"input_ids": ids[i], "labels": ids[i].clone()} for i in range(BATCH)]
+    ref = _tiny_hybrid(model_type, "eager")
+    ref(input_ids=ids, labels=ids).loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    expected = {n: (p - LR * p.grad).detach() for n, p in ref.named_parameters()}
+    out = os.path.join(_STATE["tmp"], f"trainer_{model_type}")
+    trainer = ContextParallelTrainer(model=_tiny_hybrid(model_type, "sdpa"),
+                                     args=_args(out, 2, gradient_accumulation_steps=1), train_dataset=train)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    for name, p in trainer.model.named_parameters():
+        assert rel_err(p.detach(), expected[name]) < 1e-4, (name, rel_err(p.detach(), expected[name]))
+
+
 CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),
          ("trainer_zero2", _case_trainer, (2,)), ("trainer_zero2_resume", _case_trainer_resume, (2,)),
          ("trainer_zero3", _case_trainer, (3,)), ("trainer_zero2_packed", _case_trainer_packed, (2,)),
          ("accelerate_zero2", _case_accelerate, ()),
-         ("trainer_window", _case_trainer_window, ())]  # each after the first resets accelerate's state
+         ("trainer_window", _case_trainer_window, ()),
+         ("trainer_lfm2", _case_trainer_hybrid, ("lfm2",)),
+         ("trainer_qwen3_next", _case_trainer_hybrid, ("qwen3_next",))]  # each after the first resets accelerate's state
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,115 @@
+"""Hybrid transformers models under context parallelism, exact against the plain model (issue 45).
+
+Each family's own classes (gated delta net: Qwen3-Next, Qwen3.5; Mamba: Jamba; Mamba2: Falcon-H1,
+GraniteMoeHybrid; short convolution: LFM2) at a tiny shape with attention and mixer layers, weights
+moved off their initialisation (a mixer that starts as a no-op could not fail the test), on 2 and 4
+gloo ranks.  The reference is a copy of the model taken before anything of ours touches it, run
+at SP=1 on the whole batch with transformers' own attention.  Loss to 1e-5, every gradient to 1e-4
+(float64 where the model runs in it, else float32), after summing over the group as DeepSpeed does."""
+
+import copy
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+pytest.importorskip("transformers")
+
+from dist_helper import check_case, run_cases  # noqa: E402
+from reference import rel_err  # noqa: E402
+
+SEQ = 32
+#: float64 where the model runs in it (float32 sums of 4 ranks' gradients land near 1e-4 on a
+#: decay parameter, A_log); float32 where its MoE's grouped matmul takes no float64
+DTYPES = {"jamba": torch.float32, "granitemoehybrid": torch.float32}
+from support.token_mixing import HYBRID_SHAPES as SHAPES  # noqa: E402
+
+
+def _model(model_type):
+    from support.token_mixing import tiny_causal_lm
+
+    model, why = tiny_causal_lm(model_type, **SHAPES[model_type])
+    assert model is not None, (model_type, why)
+    return model.to(DTYPES.get(model_type, torch.float64)).train()
+
+
+def _batch(b=2, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 100, (b, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _case_family(model_type, layout="striped"):
+    from striped_sp.deepspeed import enable_hf_attention, shard_batch
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = _model(model_type)
+    ref = copy.deepcopy(model)  # before anything of ours touches the model
+    ref.set_attn_implementation("eager")
+    full = _batch()
+    ref_out = ref(**full, use_cache=False)
+    ref_out.loss.backward()
+    enable_hf_attention(model, None, layout)
+    out = model(**shard_batch(full, n, rank, layout), use_cache=False)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)  # each rank's loss is its share of the global mean
+    assert rel_err(loss, ref_out.loss.detach()) < 1e-5, (loss.item(), ref_out.loss.item())
+    ref_grads, grads = _grads(ref), _grads(model)
+    assert ref_grads.keys() == grads.keys(), set(ref_grads) ^ set(grads)
+    worst = []
+    for name, g in grads.items():
+        dist.all_reduce(g)  # DeepSpeed sums gradients over the SP group
+        err = rel_err(g, ref_grads[name])
+        if err >= 1e-4:
+            worst.append(f"{name}: {err:.2e}")
+    assert not worst, worst
+
+
+def _case_packed_refused():
+    from striped_sp.deepspeed import enable_hf_attention, shard_batch
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = enable_hf_attention(_model("lfm2"), None, "striped")
+    full = _batch(b=1)
+    full["position_ids"] = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)])[None]
+    batch = shard_batch(full, n, rank, "striped")
+    assert batch.get("cu_seq_lens_q") is not None, sorted(batch)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.conv: packed rows"):
+        model(**batch, use_cache=False)
+
+
+CASES2 = [(f"{t}_striped", _case_family, (t,)) for t in SHAPES]
+CASES2 += [(f"lfm2_{lay}", _case_family, ("lfm2", lay)) for lay in ("zigzag", "contiguous")]
+CASES2 += [("qwen3_next_zigzag", _case_family, ("qwen3_next", "zigzag"))]
+CASES2 += [("packed_refused", _case_packed_refused, ())]
+CASES4 = [(f"{t}_striped", _case_family, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
+
+
+@pytest.fixture(scope="module")
+def results2():
+    return run_cases(2, CASES2, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return run_cases(4, CASES4, timeout_s=600)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES2])
+def test_hybrid_on_2_ranks(results2, name):
+    check_case(results2, name)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES4])
+def test_hybrid_on_4_ranks(results4, name):
+    check_case(results4, name)
