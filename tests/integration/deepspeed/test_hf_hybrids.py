@@ -48,7 +48,8 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _case_family(model_type, layout="striped"):
+def _case_family(model_type, layout="striped", ulysses=1):
+    import striped_sp
     from striped_sp.deepspeed import enable_hf_attention, shard_batch
 
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -58,7 +59,8 @@ def _case_family(model_type, layout="striped"):
     full = _batch()
     ref_out = ref(**full, use_cache=False)
     ref_out.loss.backward()
-    enable_hf_attention(model, None, layout)
+    groups = striped_sp.ulysses_ring_groups([list(range(n))], ulysses) if ulysses > 1 else None
+    enable_hf_attention(model, None, layout, ulysses_groups=groups)
     out = model(**shard_batch(full, n, rank, layout), use_cache=False)
     out.loss.backward()
     loss = out.loss.detach().clone()
@@ -93,6 +95,7 @@ CASES2 += [(f"lfm2_{lay}", _case_family, ("lfm2", lay)) for lay in ("zigzag", "c
 CASES2 += [("qwen3_next_zigzag", _case_family, ("qwen3_next", "zigzag"))]
 CASES2 += [("packed_refused", _case_packed_refused, ())]
 CASES4 = [(f"{t}_striped", _case_family, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
+CASES4 += [("qwen3_next_ulysses2_x_striped2", _case_family, ("qwen3_next", "striped", 2))]
 
 
 @pytest.fixture(scope="module")
