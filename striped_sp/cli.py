@@ -8,6 +8,7 @@ bench modes (``striped-sp bench MODE --help`` for each one's options and default
   precision  bf16 gradient error against N for each dtype dK/dV travel the ring in
   train      end-to-end training steps (Megatron GPT, HF Llama/Mistral) per layout, the paper's table
   overhead   host work: per-batch plan time, per-layer aten ops, copies, syncs and host time, rank 0 of N
+  hybrid     a hybrid's mixer layer (short conv, gated delta net): the whole-sequence gather vs the attention ring
 
 patch: the Megatron-LM patch files shipped with the package
   striped-sp patch --list                              the tags and the paths
@@ -25,14 +26,14 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import hier, overhead, precision, train
+    from .bench import hier, hybrid_cost, overhead, precision, train
     from .bench.cli_args import Formatter, add_balance, add_run, add_sim
 
     p = argparse.ArgumentParser(prog="striped-sp", description=__doc__, formatter_class=Formatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{bench,patch}")
-    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision, train, overhead",
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision, train, overhead, hybrid",
                            description="Benchmarks and models; `striped-sp bench MODE --help` for a mode's options.")
-    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision,train,overhead}")
+    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision,train,overhead,hybrid}")
     add_balance(modes)
     add_sim(modes)
     add_run(modes)
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     precision.register(modes)
     train.register(modes)
     overhead.register(modes)
+    hybrid_cost.register(modes)
     _patch_parser(sub)
     for parser in (p, bench, *modes.choices.values(), *sub.choices.values()):
         parser.formatter_class = Formatter
@@ -357,7 +359,7 @@ def main(argv=None) -> int:
         name, handler = "striped-sp patch", _patch
     else:
         name = f"striped-sp bench {args.mode}"
-        handler = args.run if args.mode in ("hier", "precision", "train", "overhead") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
+        handler = args.run if args.mode in ("hier", "precision", "train", "overhead", "hybrid") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
     if getattr(args, "plot", None):  # before the work, not after it
         from .bench.report import check_plotting
 
