@@ -44,7 +44,7 @@ import torch
 
 from .base import _HALF_DTYPES, Kernel, head_dims
 
-__all__ = ["FA4Kernel", "SUPPORTED", "SUPPORT", "MODULE", "head_dim_reason", "gqa_head_dim_reason"]
+__all__ = ["FA4Kernel", "SUPPORTED", "SUPPORT", "MODULE", "head_dim_reason", "gqa_head_dim_reason", "import_reason"]
 
 MODULE = "flash_attn.cute.interface"
 DIST = "flash-attn-4"
@@ -65,6 +65,25 @@ def installed_version() -> str:
         return version(DIST)
     except (ImportError, PackageNotFoundError):
         return "unknown"
+
+
+def import_reason() -> str | None:
+    """Why ``flash_attn.cute.interface`` cannot be imported (``None``: it imports).  Safe against
+    any exception: the import pulls in cutlass, quack and tvm-ffi, and a broken install raises
+    what it likes (a flash-attn 2 build over FA4's namespace: ``AttributeError: ThrMma``); that
+    must cost only FA4, never ``available_backends`` or ``auto`` for the other backends."""
+    try:
+        importlib.import_module(MODULE)
+    except ModuleNotFoundError as e:
+        if e.name is None or MODULE.startswith(e.name):  # flash_attn, flash_attn.cute or the interface itself
+            return "flash-attn-4 is not installed: pip install 'striped_sp[fa4]'"
+        return (f"flash-attn-4 {installed_version()} is installed but importing {MODULE} failed: "
+                f"ModuleNotFoundError: {e} (a dependency is missing: pip install 'striped_sp[fa4]')")
+    except Exception as e:  # noqa: BLE001 - anything a broken install raises
+        return (f"flash-attn-4 {installed_version()} is installed but importing {MODULE} failed: "
+                f"{type(e).__name__}: {e} (a broken install: another flash_attn package, e.g. flash-attn 2, "
+                "over FA4's, or mismatched nvidia-cutlass-dsl / quack-kernels; see docs/troubleshooting.md)")
+    return None
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -162,10 +181,9 @@ class FA4Kernel(Kernel):
         return self._fns
 
     def unavailable_reason(self, device, dtype, head_dim=None):
-        try:
-            importlib.import_module(MODULE)
-        except ImportError:
-            return "flash-attn-4 is not installed: pip install 'striped_sp[fa4]'"
+        why = import_reason()
+        if why is not None:
+            return why
         cap = _capability(torch.device(device))
         if cap is None:
             return f"FA4 runs on CUDA devices only, got device '{device}'"
@@ -178,8 +196,8 @@ class FA4Kernel(Kernel):
             return reason
         try:
             self._functions()
-        except RuntimeError as e:
-            return str(e)
+        except Exception as e:  # noqa: BLE001 - a broken install must not break the other backends
+            return str(e) if isinstance(e, RuntimeError) else f"flash-attn-4 {installed_version()}: {type(e).__name__}: {e}"
         return None
 
     def gqa_unavailable_reason(self, device, dtype, head_dim=None):

@@ -23,7 +23,7 @@ def _installed_version(module: str, dist_name: str) -> tuple[int, ...] | None:
     """(major, minor) of an installed package, or ``None`` when unknown."""
     try:
         mod = importlib.import_module(module)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - not installed, or a broken install (unavailable_reason says which)
         return None
     text = getattr(mod, "__version__", None)
     if text is None:
@@ -87,8 +87,13 @@ class FlashAttnKernel(Kernel):
     def unavailable_reason(self, device, dtype, head_dim=None):
         try:
             self._module()
-        except ImportError:
-            return "flash-attn is not installed: pip install 'striped_sp[flash]'"
+        except ImportError as e:
+            if isinstance(e, ModuleNotFoundError) and (e.name is None or self.module_name.startswith(e.name)):
+                return "flash-attn is not installed: pip install 'striped_sp[flash]'"
+            return f"flash-attn is installed but importing {self.module_name} failed: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a broken install must not break the other backends
+            return (f"flash-attn is installed but importing {self.module_name} failed: {type(e).__name__}: {e} "
+                    "(a broken install; see docs/troubleshooting.md)")
         if device.type != "cuda":
             return f"flash-attn runs on CUDA devices only, got device '{device}'"
         if dtype not in _HALF_DTYPES:

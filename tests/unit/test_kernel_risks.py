@@ -51,3 +51,58 @@ def test_safe_merge_keeps_rows_that_saw_nothing_yet(empty):
     real_out, real_lse = torch.randn(1, 3, 2, 4, generator=gen), torch.randn(1, 2, 3, generator=gen)
     merge_block_safe(out, lse, real_out, real_lse)
     assert torch.equal(out, real_out) and torch.equal(lse, real_lse)
+
+
+# -- a broken FA4 / flash-attn install (issue 48, item 6) ------------------------------------------
+
+def _broken_flash_attn(tmp_path, monkeypatch, error="AttributeError: module 'cutlass.cute' has no attribute 'ThrMma'"):
+    """A ``flash_attn`` package whose import raises what a broken flash-attn 2 over FA4's namespace
+    raises (not an ImportError): the package on ``sys.path``, every cached ``flash_attn*`` module gone."""
+    import sys
+
+    kind, _, message = error.partition(": ")
+    pkg = tmp_path / "flash_attn"
+    (pkg / "cute").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"raise {kind}({message!r})\n")
+    (pkg / "cute" / "__init__.py").write_text("")
+    (pkg / "cute" / "interface.py").write_text("")
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("error", ["AttributeError: module 'cutlass.cute' has no attribute 'ThrMma'",
+                                   "RuntimeError: CUDA driver version is insufficient",
+                                   "ImportError: libcuda.so.1: cannot open shared object file"])
+def test_a_broken_fa4_install_costs_only_its_own_backends(tmp_path, monkeypatch, error):
+    """Importing ``flash_attn.cute.interface`` may raise anything; before issue 48 the FA4 probe
+    caught ImportError only and ``available_backends`` / ``auto`` raised for every backend.  Now
+    FA4 and flash-attn are passed over with the exception named, the others still run."""
+    import striped_sp.kernels as kernels
+    import striped_sp.kernels.fa4_kernel as fa4_mod
+    from striped_sp.kernels import available_backends, resolve_kernel
+
+    _broken_flash_attn(tmp_path, monkeypatch, error)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fa4_mod, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    names = available_backends(cuda, torch.bfloat16, 64)
+    assert "fa4" not in names and "flash_attn" not in names and "torch" in names
+    kind = error.split(":")[0]
+    for name in ("fa4", "flash_attn"):
+        why = kernels.KERNELS[name].unavailable_reason(cuda, torch.bfloat16, 64)
+        assert kind in why and "failed" in why and "not installed" not in why, why
+    assert resolve_kernel("auto", cuda, torch.bfloat16, 64, varlen=True).name == "torch"
+    with pytest.raises(ValueError, match=kind):
+        resolve_kernel("fa4", cuda, torch.bfloat16, 64)
+
+
+def test_fa4_not_installed_still_says_so(monkeypatch):
+    """A missing package (not a broken one) keeps its install hint."""
+    import sys
+
+    from striped_sp.kernels.fa4_kernel import import_reason
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert "not installed" in import_reason() and "striped_sp[fa4]" in import_reason()
