@@ -27,6 +27,18 @@ _SAID: set = set()  # the reasons already logged (one line per reason and proces
 _GQA_NATIVE: dict = {}  # (op, device, dtype, head_dim) -> the op takes fewer kv heads as they are
 
 
+#: the running torch's version (a module constant: tests set it to check another release's contract)
+_TORCH_VERSION = torch.__version__
+
+
+def cudnn_lse_trailing_dim() -> bool:
+    """Whether the cuDNN attention op's lse carries a trailing 1: torch >= 2.9 returns it
+    ``[B, H, S, 1]`` and its backward takes it so; torch 2.6-2.8 return ``[B, H, S]`` and the
+    backward's C++ unsqueezes it itself (a 4-D lse there became 5-D)."""
+    major, minor = (int(x) for x in _TORCH_VERSION.split(".")[:2])
+    return (major, minor) >= (2, 9)
+
+
 def _uses_cpu_op(t: torch.Tensor) -> bool:
     """Whether :class:`TorchKernel` takes its CPU op for ``t`` (else the CUDA ops).  One seam, so
     that tests without a GPU can run the CUDA branch on CPU tensors (tests/unit/test_cuda_contracts.py)."""
@@ -277,8 +289,8 @@ class TorchKernel(Kernel):
             )
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dout, q, kt, vt, out, lse.unsqueeze(-1), rng, rng, None, None, None, sq, sk, 0.0, causal, scale=scale
-            )
+                dout, q, kt, vt, out, lse.unsqueeze(-1) if cudnn_lse_trailing_dim() else lse, rng, rng, None, None,
+                None, sq, sk, 0.0, causal, scale=scale)
         return dq, _group_sum(dk, kvh, dim=1), _group_sum(dv, kvh, dim=1)
 
     # -- GQA without expanding kv heads, where the op takes it -------------------------------

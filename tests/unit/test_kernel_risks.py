@@ -106,3 +106,49 @@ def test_fa4_not_installed_still_says_so(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     assert "not installed" in import_reason() and "striped_sp[fa4]" in import_reason()
+
+
+# -- cuDNN's lse by torch release (issue 48, item 5) -----------------------------------------------
+
+class _CudnnAten:
+    """``torch.ops.aten`` with the cuDNN attention ops of torch ``version``: the forward returns lse
+    ``[B, H, S, 1]`` from 2.9, ``[B, H, S]`` before; the backward's C++ (2.6-2.8) unsqueezes the lse
+    it gets, so it must get the 3-D one there, and the 4-D one from 2.9 (the forward's, as returned)."""
+
+    def __init__(self, version: str):
+        self.trailing = tuple(int(x) for x in version.split(".")[:2]) >= (2, 9)
+
+    def __getattr__(self, name):
+        return getattr(torch.ops.aten, name)
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, lse_on, dropout, causal, debug, scale=None):
+        b, h, s, _ = q.shape
+        lse = torch.zeros(b, h, s, *((1,) if self.trailing else ()))
+        return torch.zeros_like(q), lse, None, None, s, k.size(2), None, None, None
+
+    def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, *rest, scale=None):
+        want = (*q.shape[:3], 1) if self.trailing else tuple(q.shape[:3])
+        lse = lse if self.trailing else lse.unsqueeze(-1)  # what 2.6-2.8's C++ does to it
+        assert tuple(lse.shape) == (*q.shape[:3], 1), f"cuDNN backward got lse {tuple(lse.shape)}, wants {want}"
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "2.8.0+cu128", "2.9.0", "2.11.0+cu130"])
+def test_cudnn_backward_gets_the_lse_its_release_wants(monkeypatch, version):
+    """We passed ``lse.unsqueeze(-1)`` always: right from torch 2.9, a 5-D lse on 2.6-2.8 (which
+    setup.cfg accepts)."""
+    import types
+
+    import striped_sp.kernels.torch_sdpa as kernels_torch
+    from striped_sp.kernels import TorchKernel
+
+    aten = _CudnnAten(version)
+    proxy = types.SimpleNamespace(ops=types.SimpleNamespace(aten=aten))
+    monkeypatch.setattr(kernels_torch, "torch", type("T", (), {"__getattr__": lambda s, n: getattr(torch, n),
+                                                               "ops": proxy.ops})())
+    monkeypatch.setattr(kernels_torch, "_TORCH_VERSION", version, raising=False)
+    kernel = TorchKernel("cudnn")
+    q, k, v = (torch.zeros(1, 2, 5, 8, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = kernel._cuda_forward("cudnn", q, k, v, True, 0.125, expand=False)
+    assert lse.shape == (1, 2, 5)  # the ring's form, whichever the release returned
+    kernel._cuda_backward("cudnn", torch.zeros_like(q), q, k, v, out, lse, True, 0.125, expand=False)
