@@ -11,8 +11,11 @@ the cost is the gather's (see the module notes there): N times the mixer's compu
 
 Where it stops, by name:
 
-* packed rows (``cu_seq_lens_q`` / restarting ``position_ids``): a mixer would scan across the
-  documents' boundaries, where the model at SP=1 may not: refused;
+* packed rows: the mixer gets what it gets at SP=1, the whole row in natural order, its
+  per-token arguments (``position_ids``, ``seq_idx``) gathered alike and the batch's global
+  ``cu_seq_lens_q/k`` as they are: it separates the documents exactly as the model does at SP=1;
+* packed rows under a layout that pads each document (``zigzag``: multiples of 2N), whose
+  padding a mixer would scan as tokens: refused;
 * a mixer input that is not ``[b, S/N, hidden]`` (a mixer that is the convolution itself,
   channels first): refused at its first forward, on every rank, before the gather;
 * a ring attention inside a wrapped mixer (it would see the whole sequence as local): refused.
@@ -26,6 +29,7 @@ import functools
 import torch
 
 from ..engine.natural_order import gather_natural, natural_order, take_local
+from ..plan.layouts import get_layout
 from .mixers import UnhandledMixer, unhandled_mixers
 
 __all__ = ["wrap_mixers", "inside_gathered_mixer"]
@@ -41,10 +45,17 @@ def inside_gathered_mixer() -> str | None:
 
 def _hidden_states(args, kwargs):
     if args and isinstance(args[0], torch.Tensor):
-        return args[0], lambda x: ((x, *args[1:]), kwargs)
+        return args[0], lambda x, rest, kw: ((x, *rest), kw), args[1:]
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return kwargs["hidden_states"], lambda x: (args, {**kwargs, "hidden_states": x})
-    return None, None
+        return kwargs["hidden_states"], lambda x, rest, kw: (rest, {**kw, "hidden_states": x}), args
+    return None, None, args
+
+
+def _per_token(value, x: torch.Tensor) -> bool:
+    """A tensor of the mixer's other arguments that holds one entry per local token
+    (``position_ids``, ``seq_idx``): ``[b, S/N, ...]`` like the hidden states."""
+    return (isinstance(value, torch.Tensor) and value is not x and value.dim() >= 2
+            and value.size(0) == x.size(0) and value.size(1) == x.size(1))
 
 
 def _wrapped_forward(forward, path: str, hidden: int, settings_of):
@@ -53,22 +64,28 @@ def _wrapped_forward(forward, path: str, hidden: int, settings_of):
         import torch.distributed as dist
 
         settings = settings_of()
-        x, rebuild = _hidden_states(args, kwargs)
+        x, rebuild, rest = _hidden_states(args, kwargs)
         if x is None or x.dim() != 3 or x.size(-1) != hidden:
             shape = None if x is None else tuple(x.shape)
             raise ValueError(
                 f"{path}: a token mixer whose input is not hidden_states [batch, tokens, {hidden}] (got "
                 f"{shape}) cannot run on the gathered sequence; train this model with sequence_parallel_size=1")
-        if settings.cu_seqlens is not None:
-            raise ValueError(
-                f"{path}: packed rows (cu_seq_lens_q) with a hybrid model are not supported: the mixer would scan "
-                "across document boundaries; use one sequence per row (padding) with this model")
         group = settings.group if settings.group is not None else dist.group.WORLD
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        order = natural_order(x.size(1) * n, n, rank, settings.layout)
+        if settings.cu_seqlens is not None and get_layout(settings.layout).document_multiple(n) > 1:
+            raise ValueError(
+                f"{path}: packed rows under layout {settings.layout!r} pad every document to a multiple of "
+                f"{get_layout(settings.layout).document_multiple(n)} tokens, and a token mixer would scan the padding "
+                "as tokens: use the 'striped' layout (no padding) with this hybrid model")
+        order = natural_order(x.size(1) * n, n, rank, settings.layout, settings.cu_seqlens)
+        # per-token arguments (position_ids, seq_idx) follow the tokens; the rest (the packed row's
+        # global cu_seq_lens, as at SP=1) pass as they are
+        rest = tuple(gather_natural(a, group, order) if _per_token(a, x) else a for a in rest)
+        others = {k: gather_natural(v, group, order) if _per_token(v, x) else v
+                  for k, v in kwargs.items() if k != "hidden_states"}
         token = _INSIDE.set(path)
         try:
-            args2, kwargs2 = rebuild(gather_natural(x, group, order))
+            args2, kwargs2 = rebuild(gather_natural(x, group, order), rest, others)
             out = forward(*args2, **kwargs2)
         finally:
             _INSIDE.reset(token)

@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..plan.layouts import get_layout
+from ..plan.layouts import positions
 
 __all__ = ["NaturalOrder", "natural_order", "gather_natural", "take_local"]
 
@@ -33,13 +33,13 @@ __all__ = ["NaturalOrder", "natural_order", "gather_natural", "take_local"]
 class NaturalOrder:
     """The permutation between a layout's rank-major order and the natural one for one row shape.
 
-    ``rank_major`` ``[S]`` (int64): the global position of the ``i``-th token when every rank's
+    ``bounds``: a packed row's global document boundaries (the placement of a packed row may
+    depend on them).  ``rank_major`` ``[S]`` (int64): the global position of the ``i``-th token when every rank's
     tokens are laid one rank after the other; ``to_natural`` ``[S]``: its inverse (the rank-major
     index of position ``p``); ``local`` ``[S / N]``: this rank's positions."""
 
     def __init__(self, seq_len: int, world_size: int, rank: int, layout: str, bounds=None):
-        lay = get_layout(layout)
-        parts = [lay.positions(seq_len, world_size, r, bounds) for r in range(world_size)]
+        parts = [positions(seq_len, world_size, r, layout, bounds) for r in range(world_size)]
         self.seq_len, self.world_size, self.rank = seq_len, world_size, rank
         self.rank_major = torch.cat(parts)
         self.to_natural = torch.empty_like(self.rank_major)
