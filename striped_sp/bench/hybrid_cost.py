@@ -250,6 +250,8 @@ def measure(cfg: HybridCostConfig) -> list[dict]:
         r["gather_bytes_total"] = r["gather_fwd_bytes"] + r["gather_bwd_bytes_gloo"]
         r["ring_bytes_total"] = r["ring_fwd_bytes"] + r["ring_bwd_bytes"]
         r["mixer_cost_over_ring"] = (r["gather_ms"] + r["mixer_extra_ms"]) / r["ring_ms"] if r["ring_ms"] else None
+        r["mixer_cost_over_ring_cpu"] = ((r["gather_cpu_ms"] + r["mixer_extra_ms"]) / r["ring_cpu_ms"]
+                                         if r["ring_cpu_ms"] else None)
     return records
 
 
@@ -257,7 +259,8 @@ COLUMNS = [("world_size", "N"), ("seq_len", "S"), ("gather_fwd_bytes", "gather f
            ("gather_bwd_bytes_gloo", "gather bwd B (gloo)"), ("ring_fwd_bytes", "ring fwd B"),
            ("ring_bwd_bytes", "ring bwd B"), ("gather_ms", "gather ms"), ("gather_cpu_ms", "gather cpu ms"),
            ("ring_ms", "ring ms"), ("ring_cpu_ms", "ring cpu ms"), ("mixer_whole_ms", "mixer S ms"),
-           ("mixer_local_ms", "mixer S/N ms"), ("mixer_cost_over_ring", "(gather+extra)/ring")]
+           ("mixer_local_ms", "mixer S/N ms"), ("mixer_cost_over_ring", "(gather+extra)/ring"),
+           ("mixer_cost_over_ring_cpu", "cpu (gather+extra)/ring")]
 
 
 def register(modes) -> None:
@@ -299,8 +302,9 @@ def _main(args) -> int:
           f"({cfg.heads} heads x {cfg.head_dim}), {cfg.dtype}, {cfg.device}; medians of {cfg.reps} reps, fwd+bwd;\n"
           "bytes per rank computed from the shapes (ring algorithms; ring: the tensors its transport sends);\n"
           "ms: the slowest rank's wall time, cpu ms: the busiest rank's CPU time; mixer: one process, one "
-          "thread, CPU time;\n(gather+extra)/ring: the gather's wall time plus the mixer's extra compute "
-          f"(S vs S/N tokens) over the ring's wall time; load average {load0} / {load_average()}\n")
+          "thread, CPU time;\n(gather+extra)/ring: the gather's time plus the mixer's extra compute "
+          "(S vs S/N tokens) over the ring's time, wall (cpu: CPU times, the steadier on a shared machine);\n"
+          f"load average {load0} / {load_average()}\n")
     print(format_table(recs, COLUMNS))
     if args.json:
         write_json(args.json, recs)

@@ -86,6 +86,7 @@ class TrainConfig:
     memory: bool | None = None  # peak memory on the first step (None: CUDA only; the CPU count runs torch.profiler)
     progress: bool = True
     timeout_s: float = 1800.0
+    hf_model: str = "llama"  # the hf path's model: llama (Mistral for the window row) or the hybrid lfm2
 
     def rows(self):
         """``(model, kind, seq_len)`` of every row, in the order they run."""
@@ -244,7 +245,7 @@ def _row_records(cfg, row, samples, cpu, losses, peaks, alias, layouts) -> list[
         diff = None
         if losses.get(src) and ref:
             diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[src], ref))
-        out.append({"model": row.model, "row": row.label, "kind": row.kind, "seq_len": row.seq_len,
+        out.append({"model": row.model, "hf_model": cfg.hf_model if row.model == "hf" else None, "row": row.label, "kind": row.kind, "seq_len": row.seq_len,
                     "impl": name, "layout": layout, "same_as": alias.get(name), "world_size": cfg.world_size,
                     "median_ms": None if m is None else m * 1e3,
                     "tokens_per_s": None if m is None else tokens / m,
@@ -287,6 +288,10 @@ def _check(cfg: TrainConfig) -> None:
             raise ValueError(f"model {m!r}: expected megatron or hf")
     if cfg.heads % cfg.kv_heads:
         raise ValueError(f"heads={cfg.heads} must be a multiple of kv_heads={cfg.kv_heads}")
+    if "hf" in cfg.models:
+        from .train_hf import hf_model_check
+
+        hf_model_check(cfg)
     if "packed" in cfg.kinds:
         parse_docs(cfg.docs)
     if "window" in cfg.kinds and cfg.window < 1:
@@ -364,6 +369,9 @@ def register(modes) -> None:
     p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
                    help="model and row defaults (auto: paper on CUDA, cpu otherwise)")
     p.add_argument("--models", type=names(tuple(PEERS)), default=["megatron", "hf"], help="megatron, hf")
+    p.add_argument("--hf-model", choices=["llama", "lfm2"], default="llama",
+                   help="the hf path's model: llama (Mistral for the window row), or lfm2, a hybrid (layers "
+                        "alternating short convolution / attention; dense rows only, no ulysses peer)")
     p.add_argument("--rows", type=names(("dense", "packed", "window")), default=["dense", "packed", "window"],
                    help="row kinds: dense, packed, window")
     p.add_argument("--world-size", type=int, default=None, help="ranks N (default: 2 on CPU, the GPUs on CUDA)")
@@ -447,7 +455,7 @@ def config_of(args) -> TrainConfig:
                        device=args.device, warmup=args.warmup, rounds=pick("rounds"), seed=args.seed,
                        init_std=args.init_std,
                        threads=args.threads, profile=args.profile, progress=not args.no_progress,
-                       memory=True if args.memory else None)
+                       memory=True if args.memory else None, hf_model=args.hf_model)
 
 
 def _main(args) -> int:
@@ -458,6 +466,9 @@ def _main(args) -> int:
     load0 = load_average()
     t0 = time.time()
     recs, notes, profile = train(cfg)
+    if "hf" in cfg.models and cfg.hf_model != "llama":
+        print(f"hf model: {cfg.hf_model} (layers alternating short convolution / attention, the convolutions "
+              "gathered into natural order)")
     when = f"{time.time() - t0:.0f} s; load average before/after {load0} / {load_average()}"
     print_report(cfg, recs, notes, profile, when)
     if args.json:

@@ -1,5 +1,12 @@
 """``bench train``, the Hugging Face side: a Llama (a Mistral for the window row) through DeepSpeed.
 
+``--hf-model lfm2`` trains a hybrid instead: transformers' LFM2 of the same width, its layers
+alternating a short convolution (``conv``, first) and attention (``full_attention``), the same MLP
+width (SwiGLU, no automatic adjustment); its convolutions run on the whole sequence gathered into
+natural order (:mod:`striped_sp.deepspeed.hybrid`).  Dense rows only (packed rows with a hybrid are
+refused, LFM2 has no sliding window), and no ``ulysses`` peer (refused by name, see
+:func:`build_runner`).
+
 The model is built from a config (random init from the run's seed, nothing downloaded:
 ``HF_HUB_OFFLINE=1``), the engine by :func:`striped_sp.deepspeed.initialize` with the layout in the
 ``context_parallel`` section, the batches sharded by :func:`striped_sp.deepspeed.shard_batch` (labels
@@ -24,7 +31,10 @@ import torch.distributed as dist
 from ..plan.layouts import ALGOS
 from .train_data import Runner, RunnerSkip, TrainRow
 
-__all__ = ["setup", "build_runner"]
+__all__ = ["setup", "build_runner", "HF_MODELS", "hf_model_check"]
+
+#: ``--hf-model`` choices: the plain model (Llama; Mistral for the window row) and one hybrid
+HF_MODELS = ("llama", "lfm2")
 
 _ALST: dict = {}  # the ALST mpu of this process (DeepSpeed allows one registration)
 
@@ -49,7 +59,7 @@ def setup(cfg, device) -> None:
 
     ssd.skip_cpu_shm_comm_build()  # its CPU op serves inference all-reduce only
     deepspeed.init_distributed(dist_backend=tdist.get_backend(), auto_mpi_discovery=False, verbose=False)
-    if "ulysses" in cfg.peers and "dense" in cfg.kinds and _alst_skip(cfg) is None:
+    if "ulysses" in cfg.peers and "dense" in cfg.kinds and _alst_skip(cfg) is None and _hybrid(cfg) is None:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         from transformers import LlamaConfig
 
@@ -57,6 +67,25 @@ def setup(cfg, device) -> None:
         _ALST["mpu"] = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=types.SimpleNamespace(config=shape), core_attn_implementation="sdpa",
             sequence_parallel_size=cfg.world_size, micro_batch_size=1, seq_length_is_variable=True)
+
+
+def _hybrid(cfg) -> str | None:
+    """The hybrid ``--hf-model`` (``None``: the plain model)."""
+    name = getattr(cfg, "hf_model", "llama")
+    return None if name == "llama" else name
+
+
+def hf_model_check(cfg) -> None:
+    """Refuse, by name, what ``--hf-model`` cannot run."""
+    name = getattr(cfg, "hf_model", "llama")
+    if name not in HF_MODELS:
+        raise ValueError(f"--hf-model {name!r}: expected one of {', '.join(HF_MODELS)}")
+    if name == "lfm2" and "hf" in cfg.models:
+        other = [k for k in cfg.kinds if k != "dense"]
+        if other:
+            raise ValueError(f"--hf-model lfm2 runs dense rows only (got --rows {','.join(cfg.kinds)}): packed rows "
+                             "with a hybrid are refused (a mixer would scan across documents) and LFM2 has no "
+                             "sliding window; pass --rows dense")
 
 
 def _alst_skip(cfg) -> str | None:
@@ -84,7 +113,19 @@ def _hf_model(cfg, row: TrainRow, dtype, attn: str):
 
     common = _arch(cfg, row.seq_len)
     torch.manual_seed(cfg.seed)
-    if row.window:  # Mistral: a query sees itself and sliding_window - 1 keys before it
+    if _hybrid(cfg) == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        if cfg.hidden != cfg.heads * cfg.head_dim:
+            raise ValueError(f"--hf-model lfm2: head_dim is hidden / heads ({cfg.hidden} / {cfg.heads}), "
+                             f"not {cfg.head_dim}")
+        kinds = ["conv" if i % 2 == 0 else "full_attention" for i in range(cfg.layers)]
+        model = Lfm2ForCausalLM(Lfm2Config(
+            vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
+            block_auto_adjust_ff_dim=False, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads, max_position_embeddings=row.seq_len, layer_types=kinds,
+            tie_word_embeddings=False, use_cache=False, initializer_range=cfg.init_std))
+    elif row.window:  # Mistral: a query sees itself and sliding_window - 1 keys before it
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=row.window + 1))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -191,6 +232,9 @@ def build_runner(cfg, row: TrainRow, name: str, layout: str | None, group, devic
         return HFRunner(cfg, row, name, layout, group, device, dtype)
     if name != "ulysses":
         raise RunnerSkip(f"no peer {name!r} on the Hugging Face path (ulysses only)")
+    if _hybrid(cfg) is not None:
+        raise RunnerSkip(f"no Ulysses peer for the hybrid {_hybrid(cfg)}: DeepSpeed's Ulysses would run its "
+                         "non-attention mixers (short convolutions) on each rank's local tokens (wrong gradients)")
     if row.kind != "dense":
         raise RunnerSkip("DeepSpeed's ALST attends causally over the whole row: no packed documents, no window")
     why = _alst_skip(cfg)

@@ -52,3 +52,39 @@ def test_table_keys_and_bytes(run):
     assert r["ring_bwd_bytes"] == (N - 1) * 2 * kv * e + N * 2 * kv * 4
     for key in ("gather_ms", "gather_cpu_ms", "ring_ms", "ring_cpu_ms", "mixer_whole_ms", "mixer_local_ms"):
         assert r[key] > 0, key
+
+
+def test_train_hf_model_option_and_refusals():
+    """``bench train --hf-model``: llama by default; lfm2 with packed or window rows refused by name."""
+    from striped_sp.bench.train import TrainConfig, _check, config_of
+    from striped_sp.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "train"])
+    assert args.hf_model == "llama" and config_of(args).hf_model == "llama"
+    with pytest.raises(ValueError, match="--hf-model lfm2 runs dense rows only.*--rows dense"):
+        _check(TrainConfig(models=("hf",), kinds=("dense", "packed"), hf_model="lfm2"))
+    _check(TrainConfig(models=("hf",), kinds=("dense",), hf_model="lfm2"))
+
+
+def test_train_lfm2_runs_and_refuses_ulysses_by_name(tmp_path):
+    """LFM2 (conv / attention) at SP=2: every layout trains with the same losses; no Ulysses column."""
+    pytest.importorskip("deepspeed")
+    from striped_sp.cli import main
+
+    path = tmp_path / "train.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["bench", "train", "--models", "hf", "--hf-model", "lfm2", "--rows", "dense", "--seq-lens", "64",
+                     "--layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--heads", "4", "--kv-heads", "2",
+                     "--head-dim", "8", "--vocab", "96", "--rounds", "2", "--init-std", "0.5", "--no-progress",
+                     "--layouts", "striped,zigzag,contiguous", "--json", str(path)]) == 0
+    recs = json.loads(path.read_text())
+    assert {r["impl"] for r in recs} == {"striped", "zigzag", "contiguous", "ulysses"}
+    assert all(r["hf_model"] == "lfm2" for r in recs)
+    for r in recs:
+        if r["impl"] == "ulysses":
+            assert r["median_ms"] is None
+        else:
+            assert r["median_ms"] > 0 and r["loss_rel_diff"] < 1e-5, r
+    text = out.getvalue()
+    assert "hf model: lfm2" in text and "no Ulysses peer for the hybrid lfm2" in text
