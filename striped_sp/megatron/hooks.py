@@ -13,13 +13,14 @@ imported it by name, so ``from x import f`` copies follow too):
   block): every ``core_attention`` they return becomes ``ContextParallelAttention(algo)``;
   ``GPTModel.__init__`` (and ``HybridModel.__init__``, megatron-core >= 0.18, and
   ``MambaModel.__init__`` before it) does the same to whatever layer, stack and MTP specs it is
-  given; the layers the algo cannot run are then refused by name (:mod:`.refusals`: gated
-  delta net outside zigzag's placement, layers megatron-core has no CP for, sparse
-  attention); ``TransformerLayer.__init__`` refuses any core attention not ours, naming the model
+  given; the layers the algo cannot run are then refused by name (:mod:`.refusals`: layers
+  megatron-core has no CP for, sparse attention); ``TransformerLayer.__init__`` refuses any core attention not ours, naming the model
   class being built (T5, BERT, vision encoders: specs no hook converts);
 * Mamba's context parallelism: ``_undo_attention_load_balancing`` / ``_redo_...`` in
   ``megatron.core.ssm.mamba_context_parallel`` put the sequence in order by the layout's
   permutation, dense and packed rows (:mod:`.mamba`);
+* gated delta net's context parallelism (megatron-core 0.18+): the same undo / redo names in the
+  GDN module, and 0.19's packed-row permutation ``_build_thd_cp_a2a_perm`` (:mod:`.gdn`);
 * MTP's ``roll_tensor``: rolls along the global sequence in the layout;
 * multi-latent attention without Transformer Engine: the MLA module's ``HAVE_TE`` (:mod:`.mla`);
 * ``megatron.training.arguments.validate_args`` (when importable): also runs our checks.
@@ -39,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from . import data, mamba, mla, refusals, report, rope
+from . import data, gdn, mamba, mla, refusals, report, rope
 from .arguments import check_algo, note_layout, validate_args as _validate_striped_args
 from .spec import patch_layer_spec
 from .version import check_supported
@@ -338,6 +339,8 @@ def _apply() -> None:
 
     # Mamba's context parallelism: its sequence order for the conv and scan follows the layout.
     mamba.patch_context_parallel(_set, installed_algo)
+    # Gated delta net's context parallelism (megatron-core 0.18+): the same, dense and packed rows.
+    gdn.patch_context_parallel(_set, installed_algo)
 
     # Multi-latent attention on the local spec without Transformer Engine (megatron-core 0.16.1).
     fix = mla.te_flag_fix()

@@ -16,8 +16,8 @@ So every layout and stripe form runs, packed rows need no Transformer Engine, an
 permutation is Megatron's own.  The scan's document index (``seq_idx``) is megatron-core's: it
 reads the global documents from ``PackedSeqParams`` after the undo step, in sequence order.
 
-:func:`patch_context_parallel` installs the two functions in ``mamba_context_parallel`` only (gated
-delta net imports megatron's by name and keeps them: it stays refused outside zigzag's placement).
+:func:`patch_context_parallel` installs the two functions in ``mamba_context_parallel``; gated
+delta net imports megatron's by name, and :mod:`.gdn` puts the same two steps there.
 """
 
 from __future__ import annotations
@@ -118,12 +118,15 @@ def redo_load_balancing(input_: torch.Tensor, cp_size: int, packed_seq_params=No
 
 
 def _replacement(original: Callable, step: Callable, current_algo: Callable[[], Optional[str]]) -> Callable:
+    """``original`` while no algo is installed, else ``step(..., algo=current_algo())`` (the same
+    positional arguments; also :mod:`.gdn`'s packed-row permutation)."""
+
     @functools.wraps(original)
-    def replaced(input_, cp_size, packed_seq_params=None):
+    def replaced(*args, **kwargs):
         algo = current_algo()
         if algo is None:
-            return original(input_, cp_size, packed_seq_params)
-        return step(input_, cp_size, packed_seq_params, algo=algo)
+            return original(*args, **kwargs)
+        return step(*args, **kwargs, algo=algo)
 
     replaced.__striped_sp_original__ = original
     return replaced

@@ -9,10 +9,9 @@ parallelism places tokens as the algo does.  Everything else is refused here:
   that never passed through :func:`~striped_sp.megatron.patch_layer_spec`: T5, BERT, vision
   encoders, any other model class): :func:`check_layer_attention`, run after every
   ``TransformerLayer.__init__``, names the model being built;
-* gated delta net where megatron-core gives it context parallelism (from 0.18): its own context
-  parallelism undoes Megatron's zigzag order only, so it runs under an algo with zigzag's
-  placement and is refused under the others.  Mamba layers are not refused: their undo / redo
-  steps follow every layout (:mod:`.mamba`);
+* (not refused) Mamba layers and, where megatron-core gives it context parallelism (from 0.18),
+  gated delta net: megatron-core's undo / redo of zigzag's order is replaced by the layout's
+  permutation (:mod:`.mamba`, :mod:`.gdn`), so every algo runs them;
 * gated delta net in megatron-core 0.16 / 0.17 and DeepSeek sparse attention before 0.19:
   megatron-core itself has no context parallelism for them (its ``TransformerConfig`` asserts
   ``context_parallel_size == 1``), so no algo runs them at CP > 1;
@@ -25,8 +24,6 @@ from __future__ import annotations
 
 import sys
 
-from ..plan.layouts import get_layout
-from .arguments import NATIVE_LAYOUT, layout_of
 from .version import megatron_core_line, megatron_core_version
 
 __all__ = ["check_model_layers", "check_layer_attention", "refuse_sparse_core_attention", "SPARSE_CORE_ATTENTION"]
@@ -73,8 +70,6 @@ def _cp_size(model) -> int:
 def check_model_layers(model, algo: str) -> None:
     """Refuse, by name and before any forward, the layers of ``model`` (a GPTModel, HybridModel or
     MambaModel just built) that ``algo`` cannot run."""
-    # equal layout keys: the same token placement as Megatron's own context parallelism
-    native_placement = layout_of(algo) == get_layout(NATIVE_LAYOUT).key
     model_name = type(model).__name__
     for module in model.modules():
         name = type(module).__name__
@@ -82,11 +77,6 @@ def check_model_layers(model, algo: str) -> None:
             if _cp_size(model) > 1:
                 raise ValueError(f"--context-parallel-algo {algo}: {model_name} has {_WHAT[name]} layers; "
                                  f"{_no_megatron_cp(name)}, so no --context-parallel-algo runs them at CP > 1")
-        elif name == "GatedDeltaNet" and not native_placement:
-            raise ValueError(
-                f"--context-parallel-algo {algo}: {model_name} has {_WHAT[name]} layers, whose context "
-                "parallelism (megatron-core's own) assumes Megatron's zigzag layout: use "
-                f"--context-parallel-algo zigzag (or native) for this model")
         elif any(key in name for key in SPARSE_CORE_ATTENTION):
             raise refuse_sparse_core_attention(algo, "DSAttention")
 

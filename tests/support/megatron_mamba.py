@@ -62,6 +62,29 @@ def mamba_layer_spec():
         norm=_Norm, mixer=mixer, mamba_bda=get_bias_dropout_add))
 
 
+def gdn_layer_spec():
+    """megatron-core's gated delta net layer (0.18+: a ``TransformerLayer`` around ``GatedDeltaNet``,
+    as ``hybrid_layer_specs`` builds it) with the local linear layers and torch LayerNorms in place
+    of Transformer Engine's fused norm-linear and ``TENorm``."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=_Norm,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=_Norm, out_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add))
+
+
+#: gated delta net sizes: 4 key heads, 8 value heads of 8 (every head section divides by CP 4)
+#: (and SiLU, the activation megatron-core's GDN convolution requires; the MLP layers use it too)
+GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+           linear_num_key_heads=4, linear_num_value_heads=8, activation_func=torch.nn.functional.silu)
+
+
 class _NoCudaRng:
     """The mixer draws its initial values inside ``get_cuda_rng_tracker().fork()``: on the CPU
     they come from the CPU generator (the values are copied from the reference anyway)."""
@@ -75,13 +98,17 @@ class _NoCudaRng:
 def _cpu_device():
     from megatron.core.ssm import mamba_mixer
 
-    saved = torch.cuda.current_device, mamba_mixer.get_cuda_rng_tracker
+    try:  # megatron-core 0.19's gated delta net (its parameters and head permutation on the device)
+        from megatron.core.ssm.gated_delta_net import common as gdn_common
+    except ImportError:
+        gdn_common = mamba_mixer
+    saved = torch.cuda.current_device, mamba_mixer.get_cuda_rng_tracker, gdn_common.get_cuda_rng_tracker
     torch.cuda.current_device = lambda: "cpu"
-    mamba_mixer.get_cuda_rng_tracker = _NoCudaRng
+    mamba_mixer.get_cuda_rng_tracker = gdn_common.get_cuda_rng_tracker = _NoCudaRng
     try:
         yield
     finally:
-        torch.cuda.current_device, mamba_mixer.get_cuda_rng_tracker = saved
+        torch.cuda.current_device, mamba_mixer.get_cuda_rng_tracker, gdn_common.get_cuda_rng_tracker = saved
 
 
 def hybrid_model(group, pattern: str, vocab: int, like=None, seed: int = 1):
@@ -94,11 +121,14 @@ def hybrid_model(group, pattern: str, vocab: int, like=None, seed: int = 1):
     block, stack, submodules, model_cls, pattern_kw, spec_kw = _stack_module()
     block.TENorm = _Norm
     attention, mlp = attention_and_mlp_specs()
-    spec = ModuleSpec(module=stack, submodules=submodules(
-        attention_layer=attention, mlp_layer=mlp, mamba_layer=mamba_layer_spec()))
+    layers = dict(attention_layer=attention, mlp_layer=mlp, mamba_layer=mamba_layer_spec())
+    if "G" in pattern:
+        layers["gdn_layer"] = gdn_layer_spec()
+    spec = ModuleSpec(module=stack, submodules=submodules(**layers))
     config = TransformerConfig(num_layers=len(pattern), hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                                num_query_groups=2, use_cpu_initialization=True, attention_dropout=0.0,
-                               hidden_dropout=0.0, context_parallel_size=group.size(), **MAMBA)
+                               hidden_dropout=0.0, context_parallel_size=group.size(), **MAMBA,
+                               **(GDN if "G" in pattern else {}))
     init = getattr(model_cls.__init__, "__wrapped__", model_cls.__init__)
     if pattern_kw not in inspect.signature(init).parameters:
         pattern_kw = "hybrid_layer_pattern"
@@ -142,8 +172,9 @@ def run_row(model, ref, algo, group, seed, vocab, seq, docs=None):
             ref_loss.backward()
         local = sm.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": positions},
                                              algo, cp_group=group)
-        loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"]).sum()
-        loss.backward()
+        with _cpu_device():  # gated delta net asks for the CUDA device in its forward
+            loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"]).sum()
+            loss.backward()
         return loss, ref_loss
     real, padded = docs if isinstance(docs, tuple) else (docs, docs)
     bounds, padded_bounds = _cumulative(real), _cumulative(padded)
@@ -159,9 +190,10 @@ def run_row(model, ref, algo, group, seed, vocab, seq, docs=None):
     local, params = sm.get_thd_batch_on_this_cp_rank(
         {"tokens": tokens, "labels": labels, "position_ids": positions, "loss_mask": mask}, cu, cu_padded,
         torch.tensor([max(padded)]), algo=algo, cp_group=group)
-    loss = (model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                  packed_seq_params=params) * local["loss_mask"]).sum()
-    loss.backward()
+    with _cpu_device():
+        loss = (model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                      packed_seq_params=params) * local["loss_mask"]).sum()
+        loss.backward()
     return loss, ref_loss
 
 
@@ -191,3 +223,72 @@ def plugin_off():
             yield
     finally:
         sm.install(algo)
+
+
+# ---------------------------------------------------------------- shared by the Mamba and GDN tests (4 gloo ranks)
+
+_GROUPS = {}
+
+
+def cp_groups(cp):
+    """(a group of this rank alone, this rank's CP group of ``cp`` ranks) in a world of 4: Megatron's
+    own CP group for 4, the pairs [0, 2] / [1, 3] for 2 (made once per process, in step)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from striped_sp.megatron.toy import single_rank_group
+
+    if not _GROUPS:
+        parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+        _GROUPS[1] = single_rank_group()
+        _GROUPS[2] = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]
+        _GROUPS[4] = parallel_state.get_context_parallel_group()
+    return _GROUPS[1], _GROUPS[cp]
+
+
+def compare_exact(model, ref, loss, ref_loss, group, seed, loss_tol, grad_tol):
+    """``loss`` summed over ``group`` equals ``ref_loss`` within ``loss_tol`` and every gradient
+    summed over ``group`` the reference's within ``grad_tol`` (relative: largest error over the
+    largest entry); ``AssertionError("... errors above ...")`` names the others.  Returns
+    ``(loss error, worst gradient error)``."""
+    import torch.distributed as dist
+
+    from reference import rel_err
+
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    errors = {"loss": rel_err(total, ref_loss.detach())}
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        errors[name] = rel_err(g, p_ref.grad)
+    bad = {k: e for k, e in errors.items() if not e < (loss_tol if k == "loss" else grad_tol)}
+    assert not bad, f"seed={seed}: errors above loss {loss_tol} / gradient {grad_tol}: {bad}"
+    return errors["loss"], max(e for k, e in errors.items() if k != "loss")
+
+
+@contextlib.contextmanager
+def planted_order(planted):
+    """A wrong gathered order in place of the layout's (striped_sp/megatron/mamba.py, which the
+    GDN steps share): Megatron's own zigzag one (``"zigzag"``), none at all (``"none"``), or the
+    layout's without the documents the packed batch was sliced by (``"no-documents"``)."""
+    from striped_sp.megatron import gdn, mamba
+
+    saved = mamba.gathered_order
+
+    def wrong(seq_len, cp_size, layout, cu_seqlens=None):
+        if planted == "none":
+            return torch.arange(seq_len)
+        return saved(seq_len, cp_size, "zigzag" if planted == "zigzag" else layout, None)
+
+    def clear():
+        mamba._dense_orders.cache_clear()
+        gdn._packed_orders.cache_clear()
+
+    mamba.gathered_order = wrong
+    clear()
+    try:
+        yield
+    finally:
+        mamba.gathered_order = saved
+        clear()

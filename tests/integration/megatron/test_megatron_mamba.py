@@ -20,10 +20,8 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_helper import run_cases
-from reference import rel_err
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("einops")
@@ -58,7 +56,7 @@ def test_zigzag_order_is_megatrons_own_and_undo_redo_are_inverse():
         x.grad = None
 
 
-def test_install_replaces_mambas_undo_and_redo_only_and_uninstall_restores():
+def test_install_replaces_the_undo_and_redo_steps_and_uninstall_restores():
     import sys
 
     import striped_sp.megatron as sm
@@ -72,48 +70,17 @@ def test_install_replaces_mambas_undo_and_redo_only_and_uninstall_restores():
     try:
         for n in names:
             assert getattr(mcp, n) is not before[n] and getattr(mcp, n).__striped_sp_original__ is before[n]
-        if gdn is not None:  # gated delta net keeps Megatron's zigzag steps (refused outside zigzag)
-            assert {n: getattr(gdn, n) for n in names} == gdn_before
+        if gdn is not None:  # gated delta net's copies of the names too (megatron/gdn.py)
+            for n in names:
+                assert getattr(gdn, n).__striped_sp_original__ is gdn_before[n]
     finally:
         sm.uninstall()
     assert {n: getattr(mcp, n) for n in names} == before
+    if gdn is not None:
+        assert {n: getattr(gdn, n) for n in names} == gdn_before
 
 
 # ---------------------------------------------------------------- 4 gloo ranks (CP groups of 2 and 4)
-
-
-_GROUPS = {}
-
-
-def _groups(cp):
-    """(a group of this rank alone, this rank's CP group of ``cp`` ranks) in a world of 4: Megatron's
-    own CP group for 4, the pairs [0, 2] / [1, 3] for 2 (made once per process, in step)."""
-    from megatron.core import parallel_state
-
-    from striped_sp.megatron.toy import single_rank_group
-
-    if not _GROUPS:
-        parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
-        _GROUPS[1] = single_rank_group()
-        _GROUPS[2] = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]
-        _GROUPS[4] = parallel_state.get_context_parallel_group()
-    return _GROUPS[1], _GROUPS[cp]
-
-
-def _compare(model, ref, loss, ref_loss, group, seed):
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=group)
-    bad = {}
-    err = rel_err(total, ref_loss.detach())
-    if not err < LOSS_TOL:
-        bad["loss"] = err
-    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g, group=group)
-        err = rel_err(g, p_ref.grad)
-        if not err < GRAD_TOL:
-            bad[name] = err
-    assert not bad, f"seed={seed}: errors above loss {LOSS_TOL} / gradient {GRAD_TOL}: {bad}"
 
 
 def check_mamba(algo, pattern, docs, seed, cp=2):
@@ -121,10 +88,10 @@ def check_mamba(algo, pattern, docs, seed, cp=2):
     packed, or (real, padded) lengths)."""
     import striped_sp.megatron as sm
     from mamba_reference_ops import use_reference_ops
-    from megatron_mamba import hybrid_model, reference_model, run_row
+    from megatron_mamba import compare_exact, cp_groups, hybrid_model, reference_model, run_row
 
     use_reference_ops()
-    alone, group = _groups(cp)
+    alone, group = cp_groups(cp)
     sm.install(algo)
     try:
         ref = reference_model(alone, pattern, VOCAB, seed=seed)
@@ -132,7 +99,7 @@ def check_mamba(algo, pattern, docs, seed, cp=2):
         assert any(isinstance(m, sm.ContextParallelAttention) for m in model.modules())
         assert sum(type(m).__name__ == "MambaMixer" for m in model.modules()) == pattern.count("M")
         loss, ref_loss = run_row(model, ref, algo, group, seed, VOCAB, SEQ, docs)
-        _compare(model, ref, loss, ref_loss, group, seed)
+        compare_exact(model, ref, loss, ref_loss, group, seed, LOSS_TOL, GRAD_TOL)
     finally:
         sm.uninstall()
 
@@ -141,23 +108,10 @@ def check_wrong_permutation_fails(planted, algo, docs, seed):
     """A wrong permutation in place of the layout's must fail the comparison: Megatron's own zigzag
     one (``planted="zigzag"``), none at all (``"none"``), or the layout's without the documents
     the packed batch was sliced by (``"no-documents"``)."""
-    from striped_sp.megatron import mamba
+    from megatron_mamba import planted_order
 
-    saved = mamba.gathered_order
-
-    def wrong(seq_len, cp_size, layout, cu_seqlens=None):
-        if planted == "none":
-            return torch.arange(seq_len)
-        return saved(seq_len, cp_size, "zigzag" if planted == "zigzag" else layout, None)
-
-    mamba.gathered_order = wrong
-    mamba._dense_orders.cache_clear()
-    try:
-        with pytest.raises(AssertionError, match="errors above"):
-            check_mamba(algo, "M*M*", docs, seed)
-    finally:
-        mamba.gathered_order = saved
-        mamba._dense_orders.cache_clear()
+    with planted_order(planted), pytest.raises(AssertionError, match="errors above"):
+        check_mamba(algo, "M*M*", docs, seed)
 
 
 CASES = [

@@ -7,8 +7,8 @@ converts is refused by name when it is built (megatron/refusals.py), and MambaMo
   every gradient, 2 gloo ranks);
 * any other model (here a user class and megatron-core's BertModel) built from a spec no hook
   converted: refused, naming the model and its core attention;
-* gated delta net where megatron-core has no context parallelism for it (0.16 / 0.17) and DeepSeek
-  sparse attention: refused, saying that megatron-core itself has none (DSA's core attention is
+* gated delta net where megatron-core has no context parallelism for it (0.16 / 0.17; accepted
+  from 0.18, megatron/gdn.py) and DeepSeek sparse attention: refused, saying that megatron-core itself has none (DSA's core attention is
   never silently swapped for dense attention).
 
 Mamba layers are stand-ins named ``MambaLayer`` (mamba-ssm is CUDA-only): only the name matters.
@@ -154,15 +154,13 @@ def test_gated_delta_net_refusal_says_whether_megatron_has_cp_for_it(installed, 
     gdn.submodules.self_attention = ModuleSpec(module=GatedDeltaNet)
     block = TransformerBlockSubmodules(layer_specs=[attention, gdn])
     monkeypatch.setattr(refusals, "_cp_size", lambda model: 2)
-    if megatron_core_line() < (0, 18):
-        expected = r"GPTModel has gated delta net \('G'\) layers; megatron-core \S+ itself has no context parallel"
-        algos = ("striped", "zigzag")
-    else:
-        expected = r"GPTModel has gated delta net \('G'\) layers, whose context parallelism .* zigzag"
-        algos = ("striped",)
-    for algo in algos:
+    expected = r"GPTModel has gated delta net \('G'\) layers; megatron-core \S+ itself has no context parallel"
+    for algo in ("striped", "zigzag"):
         sm.install(algo)
-        with pytest.raises(ValueError, match=expected):
+        if megatron_core_line() < (0, 18):
+            with pytest.raises(ValueError, match=expected):
+                GPTModel(_config(layers=2), block, vocab_size=VOCAB, max_sequence_length=64)
+        else:  # megatron-core's own GDN context parallelism, in the layout's order (megatron/gdn.py)
             GPTModel(_config(layers=2), block, vocab_size=VOCAB, max_sequence_length=64)
 
 
