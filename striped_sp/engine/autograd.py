@@ -24,6 +24,7 @@ import contextlib
 import torch
 
 from ..kernels import accumulator_dtype
+from ..kernels.merge import fold_sinks, sink_grad
 from ..plan.ring_plan import RingPlan
 from .run_order import dense_backward, from_run_format, rows_in, to_run_format
 from .step import Accumulator, backward_step, forward_step
@@ -57,9 +58,13 @@ def _shift_kv(transport: Transport, k_cur, v_cur, step: int, plan: RingPlan, wha
                            recv_rows=None if shared is None else shared[(rank - step - 1) % n])
 
 
-def forward_steps(q, k, v, plan: RingPlan, transport: Transport):
+def forward_steps(q, k, v, plan: RingPlan, transport: Transport, sinks: torch.Tensor | None = None):
     """Generator of the forward ring; returns ``(out, lse)``: ``out`` ``[b, s, h, dv]`` contiguous in
     ``q.dtype``, ``lse`` ``[b, h, s]`` fp32 (fp64 for fp64 inputs).
+
+    ``sinks`` ``[h]`` (this ring's query heads): one sink logit per head, folded into the merged
+    accumulators once after the last step (:func:`striped_sp.kernels.merge.fold_sinks`); ``out`` and
+    ``lse`` are then the sink softmax's, which :func:`backward_steps` takes unchanged.
 
     Dense plans run in the kernel's :attr:`~striped_sp.kernels.Kernel.tensor_format`: q, k, v are
     converted once here (K/V travel in it), the output once on the way out; masked plans run in
@@ -81,6 +86,8 @@ def forward_steps(q, k, v, plan: RingPlan, transport: Transport):
             k_cur, v_cur = transfer.wait()
             transfer = None  # its requests hold the block sent on: free it before the next shift
     del qn, k_cur, v_cur
+    if sinks is not None:  # once per row, after the last step: the merge's one sink
+        fold_sinks(acc.out, acc.lse, sinks, fmt)
     return from_run_format(acc.out, plan.inverse, fmt, q.dtype), rows_in(plan.inverse, acc.lse, dim=2)[0]
 
 
@@ -158,8 +165,12 @@ def backward_steps(dout, q, k, v, out, lse, plan: RingPlan, transport: Transport
 
 
 class RingAttention(torch.autograd.Function):
-    """``RingAttention.apply(q, k, v, plan, transport)`` -> ``[b, s, h, dv]``: the plan run over a
-    blocking transport, forward and backward.
+    """``RingAttention.apply(q, k, v, plan, transport, sinks=None)`` -> ``[b, s, h, dv]``: the plan
+    run over a blocking transport, forward and backward.  ``sinks`` ``[h]`` (any float dtype, on
+    q's device): sink logits folded once after the ring (:func:`forward_steps`); their gradient is
+    this rank's rows' part (:func:`striped_sp.kernels.merge.sink_grad`, accumulated in float32 and
+    returned in ``sinks.dtype``), summed over the ranks by the framework's reduction as every
+    replicated parameter's is.
 
     Memory (per rank, ``T`` = one local ``[b, s, h, d]`` fp32 tensor): backward keeps only the
     caller's q, k, v, the returned output and the fp32 lse (no format copies; converted copies
@@ -168,14 +179,17 @@ class RingAttention(torch.autograd.Function):
     (fp32 inputs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, transport: Transport):
-        out, lse = drive(forward_steps(q, k, v, plan, transport))
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, plan: RingPlan, transport: Transport, sinks: torch.Tensor | None = None):
+        out, lse = drive(forward_steps(q, k, v, plan, transport, sinks))
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.transport = plan, transport
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = drive(backward_steps(dout, q, k, v, out, lse, ctx.plan, ctx.transport))
-        return dq, dk, dv, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            dsinks = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
+        return dq, dk, dv, None, None, dsinks

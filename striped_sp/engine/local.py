@@ -18,12 +18,13 @@ import dataclasses
 
 import torch
 
-from ..kernels import resolve_kernel
+from ..kernels import accumulator_dtype, resolve_kernel
+from ..kernels.merge import sink_grad
 from ..plan.grouped import GroupedLayout
 from ..plan.layouts import shard, unshard
 from ..plan.ring_plan import RingPlan, build_ring_plan
 from .autograd import backward_steps, forward_steps
-from .request import RingRequest, _equal_head_dims
+from .request import RingRequest, _equal_head_dims, check_sinks, ulysses_heads
 from .transport import LocalRing, run_local
 
 __all__ = ["simulate", "local_plans", "Simulation"]
@@ -33,7 +34,8 @@ __all__ = ["simulate", "local_plans", "Simulation"]
 class Simulation:
     """Full-sequence results of a simulated ring: ``out`` ``[b, S, h, dv]``; ``dq``/``dk``/``dv``
     (``None`` without ``dout``); ``plans[i][r]``: rank ``r``'s plan on outer ring ``i``; ``ring``:
-    the :class:`LocalRing` of each outer ring (its ``sent_bytes``)."""
+    the :class:`LocalRing` of each outer ring (its ``sent_bytes``); ``dsinks`` ``[h]``: the sinks'
+    gradient summed over the ranks, in ``sinks.dtype`` (``None`` without ``sinks`` or ``dout``)."""
 
     out: torch.Tensor
     dq: torch.Tensor | None
@@ -41,6 +43,7 @@ class Simulation:
     dv: torch.Tensor | None
     plans: list
     rings: list
+    dsinks: torch.Tensor | None = None
 
 
 def local_plans(request: RingRequest, world_size: int, local_len: int, *, device, dtype, head_dim: int,
@@ -63,10 +66,12 @@ def local_plans(request: RingRequest, world_size: int, local_len: int, *, device
 
 
 def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = True, kernel=None, plans=None,
-             **request_args) -> Simulation:
+             sinks=None, **request_args) -> Simulation:
     """Ring attention of full-sequence ``q`` ``[b, S, h, d]``, ``k``/``v`` ``[b, S, kv_heads, d]``
     on ``world_size`` simulated ranks; ``request_args`` as :class:`RingRequest` (``layout``,
-    ``causal``, ``cu_seqlens``, ``window_size``, ``ulysses_size``, ``backend``, ...).  ``clock(ring,
+    ``causal``, ``cu_seqlens``, ``window_size``, ``ulysses_size``, ``backend``, ...); ``sinks``
+    ``[h]`` as :func:`~striped_sp.engine.request.ring_attention`'s (each rank's gradient is summed
+    into ``Simulation.dsinks``).  ``clock(ring,
     rank, round, seconds)``: the host time of each rank's compute per round.  ``plans``: the
     ``Simulation.plans`` of an earlier call with the same arguments, run again (a later layer of the
     same batch: nothing is planned or placed).  On ``meta`` tensors nothing is computed: a dry run
@@ -76,8 +81,11 @@ def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = Tr
     # every check of ring_attention, on rank 0's shapes (views: nothing copied); the same kernel,
     # scale, grad_comm_dtype and strict block form as the ring would run
     call = request._prepare(*(t[:, :t.size(1) // n] for t in (q, k, v)), None, world_size=n, kernel=kernel)
+    check_sinks(sinks, q)
     kernel = call.kernel
     cu = request.bounds
+    dsinks = None if sinks is None or dout is None else torch.zeros(
+        sinks.shape, dtype=accumulator_dtype(q.dtype), device=sinks.device)
     shards = [[_shard(t, n, r, request.layout, cu) for r in range(n)] for t in (q, k, v)]
     if dout is not None:
         shards.append([_shard(dout, n, r, request.layout, cu) for r in range(n)])
@@ -95,12 +103,17 @@ def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = Tr
             heads=members[0][0].size(2), strict_block=call.strict_block, comm_dtype=call.comm)
         ring = LocalRing(n // u, copy=copy)
         tick = None if clock is None else (lambda r, t, s, i=i: clock(i, r, t, s))
-        fwd = run_local([forward_steps(*padded[r], plan_i[r], ring.transports[r]) for r in range(n // u)], tick)
+        sinks_i = None if sinks is None else ulysses_heads(sinks, i, u)
+        fwd = run_local([forward_steps(*padded[r], plan_i[r], ring.transports[r], sinks_i) for r in range(n // u)],
+                        tick)
         bwd = None
         if dout is not None:
             do = [_pad_like(t, d_out) for t in members[3]]
             bwd = run_local([backward_steps(do[r], *padded[r], fwd[r][0], fwd[r][1], plan_i[r], ring.transports[r])
                              for r in range(n // u)], tick)
+            if dsinks is not None:
+                for r in range(n // u):
+                    ulysses_heads(dsinks, i, u).add_(sink_grad(do[r], fwd[r][0], fwd[r][1], sinks_i))
         for g in range(n // u):
             _scatter(outs, fwd[g][0][..., :value_dim], g, i, u, "q")
             if bwd is not None:
@@ -111,7 +124,8 @@ def simulate(q, k, v, world_size: int, dout=None, *, clock=None, copy: bool = Tr
         built.append(plan_i)
         rings.append(ring)
     full = [None if parts[0] is None else _unshard(parts, request.layout, cu) for parts in [outs, *grads]]
-    return Simulation(full[0], full[1], full[2], full[3], built, rings)
+    return Simulation(full[0], full[1], full[2], full[3], built, rings,
+                      None if dsinks is None else dsinks.to(sinks.dtype))
 
 
 def _check_full(q, k, v, dout, world_size, request: RingRequest) -> int:

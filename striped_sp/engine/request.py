@@ -179,8 +179,10 @@ class RingRequest:
                              "or pass group=")
         return dist.group.WORLD
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[batch, s_local, heads, v_head_dim]`` in ``q.dtype`` (see :func:`ring_attention`)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``[batch, s_local, heads, v_head_dim]`` in ``q.dtype`` (see :func:`ring_attention`, also
+        for ``sinks``)."""
         group = self._group()
         check_ranks, timeout, setting_error = _settings(self.timeout)
         device = q.device if isinstance(q, torch.Tensor) else None
@@ -188,10 +190,11 @@ class RingRequest:
             if setting_error is not None:
                 raise setting_error
             call = self._prepare(q, k, v, group)
+            check_sinks(sinks, q)
             n = dist.get_world_size(group)
             sharded = sharding_state(self.layout, q.size(1) * n, n, self.bounds, self.sharded_by_documents)
         if check_ranks:
-            self._agree(q, k, v, group, call, timeout, sharded)
+            self._agree(q, k, v, group, call, timeout, sharded, sinks is not None)
         if sharded is False:  # the same on every rank once they agreed: all raise, before the ring's first message
             raise ValueError(sharding_error("ring_attention", self.layout, q.size(1) * n, n, self.bounds))
         value_dim = v.size(-1)
@@ -199,16 +202,18 @@ class RingRequest:
         if call.ulysses == 1 and not self.hierarchical:
             transport = TorchTransport(group, timeout)
             plan = self._plan(self.layout, call, transport, q, v)
-            return _value_columns(RingAttention.apply(q, k, v, plan, transport), value_dim)
+            return _value_columns(RingAttention.apply(q, k, v, plan, transport, sinks), value_dim)
         u = call.ulysses
         inner, outer = self.ulysses_groups if self.ulysses_groups is not None else ulysses_ring_groups(
             [dist.get_process_group_ranks(group)], u)
+        if sinks is not None:  # this member's heads after the all-to-all: slice i of u (engine/ulysses.py)
+            sinks = ulysses_heads(sinks, dist.get_rank(inner), u)
         if k.size(2) < u:  # one kv head per member: replicate (their gradients add back up)
             k, v = (t.repeat_interleave(u // k.size(2), dim=2) for t in (k, v))
         q2, k2, v2 = (seq_to_heads(t, inner, u) for t in (q, k, v))
         transport = TorchTransport(outer, timeout)
         plan = self._plan(GroupedLayout(self.layout, u), call, transport, q2, v2)
-        out = RingAttention.apply(q2, k2, v2, plan, transport)
+        out = RingAttention.apply(q2, k2, v2, plan, transport, sinks)
         return _value_columns(heads_to_seq(out, inner, u), value_dim)
 
     def _plan(self, layout, call: _Call, transport, q, v) -> RingPlan:
@@ -283,7 +288,7 @@ class RingRequest:
         # a layout whose stripes depend on the row (a window hint) runs the dense plans where they are 1
         return None if plain and self.layout.dense_row(local_len * n, n) else mask
 
-    def _agree(self, q, k, v, group, call: _Call, timeout, sharded: bool | None = None) -> None:
+    def _agree(self, q, k, v, group, call: _Call, timeout, sharded: bool | None = None, sinks: bool = False) -> None:
         """Every rank of ``group`` passed the same signature (:func:`striped_sp.engine.agreement.agree`: one
         small exchange the first time the group sees it, nothing afterwards); else a ``ValueError`` on
         every rank naming the field and both values."""
@@ -297,6 +302,7 @@ class RingRequest:
             ("ulysses_size", call.ulysses), ("backend", call.kernel.name), ("grad_comm_dtype", call.comm),
             ("deterministic", self.deterministic),
             ("sharded by documents", sharded),  # None where the documents move no token
+            ("sinks", sinks),
         ]
         agree(group, fields, what="ring_attention", device=q.device, timeout=timeout, enabled=True)
 
@@ -333,6 +339,33 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
     layout.check_local_len(q.size(1))
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """``sinks`` is ``None`` or a floating-point ``[heads]`` tensor on q's device (``heads`` = q's,
+    every query head of the call, before any Ulysses split); else ``ValueError`` naming its shape
+    and the rule."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks must be a torch.Tensor of shape [heads] (one sink logit per query head) or None, "
+                         f"got {type(sinks).__name__}")
+    heads = q.size(2)
+    if sinks.dim() != 1 or sinks.size(0) != heads:
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}: expected [{heads}], 1-D with one sink logit per "
+                         f"query head (q has {heads} heads; every head of the call, before any Ulysses split)")
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks has dtype {sinks.dtype}: expected a floating-point dtype (the model's own; "
+                         "folded in float32)")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device}, q on {q.device}: they must be on one device")
+
+
+def ulysses_heads(x: torch.Tensor, member: int, u: int) -> torch.Tensor:
+    """The part of a per-head ``[heads]`` tensor that Ulysses member ``member`` of ``u`` holds after
+    :func:`~striped_sp.engine.ulysses.seq_to_heads` (slice ``member`` of ``u`` equal slices)."""
+    w = x.size(0) // u
+    return x[member * w:(member + 1) * w]
 
 
 def check_group(group):
@@ -437,6 +470,7 @@ def ring_attention(
     stripe_size: int | None = None,
     doc_placement=None,
     sharded_by_documents: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -493,6 +527,13 @@ def ring_attention(
             every hop adds in fp32, so the error does not grow with the ring size); bfloat16 or
             float16 halve those bytes at the cost of one rounding per hop (docs/tuning.md,
             "dK/dV precision on the ring" has the measured error against N).
+        sinks: attention sinks (gpt-oss' ``sinks``, Megatron's ``softmax_offset``): ``[heads]``, one
+            logit per query head (all of q's heads: under Ulysses each member takes its slice),
+            any floating dtype (the one the model keeps them in), on q's device.  Each row's
+            softmax gets one more term ``exp(s_h)`` with no value; folded into the merged lse once
+            after the ring, in float32 (float64 for float64 inputs).  Differentiable: the gradient
+            is this rank's rows' part, in ``sinks.dtype``; the framework's gradient reduction over
+            the context-parallel ranks (as for every replicated weight) sums it.  ``None``: none.
         timeout: seconds a rank waits for a ring transfer (or the ranks' agreement) before it
             raises ``TimeoutError`` naming itself, the peer and the step; default
             :func:`striped_sp.engine.transport.ring_timeout` (``$STRIPED_SP_RING_TIMEOUT_S``, else 600).  CPU
@@ -525,7 +566,7 @@ def ring_attention(
                               ulysses_size=ulysses_size, ulysses_groups=ulysses_groups,
                               grad_comm_dtype=grad_comm_dtype, timeout=timeout, stripe_size=stripe_size,
                               doc_placement=doc_placement, sharded_by_documents=sharded_by_documents)
-    return request(q, k, v)
+    return request(q, k, v, sinks=sinks)
 
 
 def prepare_plans(seq_len: int, group=None, *, world_size: int | None = None, rank: int | None = None,

@@ -1,4 +1,12 @@
-"""The softmax merge: fold one block's ``(out, lse)`` into running fp32 accumulators, in place.
+"""The softmax merge: fold one block's ``(out, lse)`` into running fp32 accumulators, in place;
+and attention sinks, the one place that knows them (:func:`fold_sinks`, :func:`sink_grad`).
+
+A sink is one more logit ``s_h`` per (head, query row) with no value (gpt-oss, Megatron's
+``--softmax-type learnable``): it only enlarges the softmax denominator.  It is folded into the
+merged lse once, after the ring's last step (``lse' = logaddexp(lse, s_h)``, ``out' = out *
+exp(lse - lse')``); the backward runs the kernels unchanged with ``lse'`` and ``out'`` (their
+``rowsum(dout * out')`` is the sink softmax's too, the sink contributing no value) and
+``d s_h = -sum_rows exp(s_h - lse') * rowsum(dout * out')``.  No kernel knows about sinks.
 
 Formats as in :mod:`striped_sp.engine.step`: ``"bshd"`` (``[b, s, h, d]``) or ``"bhsd"``; log-sum-exps
 are ``[b, h, s]``.
@@ -9,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["merge_block", "merge_block_safe", "merge_rows"]
+__all__ = ["merge_block", "merge_block_safe", "merge_rows", "fold_sinks", "sink_grad"]
 
 
 def _lse_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -62,3 +70,28 @@ def merge_rows(acc_out, acc_lse, rows: torch.Tensor, out: torch.Tensor, lse: tor
     merge_block_safe(cur, cur_lse, out, lse)
     acc_out.index_copy_(1, rows, cur)
     acc_lse.index_copy_(2, rows, cur_lse)
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, fmt: str = "bshd") -> None:
+    """Fold sink logits ``sinks`` ``[h]`` (any float dtype, taken in ``lse``'s) into the final
+    accumulators, in place: ``lse = logaddexp(lse, s_h)``, ``out *= exp(lse_old - lse)``.  Once per
+    row, after the ring's last step (a sink folded per step would count once per step).  A row
+    that saw no key (``lse = -inf``) comes out ``0`` with ``lse = s_h``: the sink takes all of its
+    softmax, and no NaN."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    new = torch.logaddexp(lse, sink)
+    unseen = lse == _NEG_INF
+    out.mul_(_lse_weight(torch.exp(lse - new), fmt))
+    out.masked_fill_(_lse_weight(unseen, fmt), 0.0)  # a -inf sink too: exp(nan) there
+    lse.copy_(new)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sink logits ``[h]`` from this rank's rows, in ``lse``'s dtype (float32;
+    float64 for float64 inputs): ``-sum_{b, rows} exp(s_h - lse') * rowsum(dout * out')``.
+    ``dout``/``out`` ``[b, s, h, dv]`` (``out`` the folded output as the forward returned it, the one
+    the kernels' backward reads), ``lse`` ``[b, h, s]`` the folded lse; rows in one order."""
+    acc = lse.dtype
+    rowsum = torch.einsum("bshd,bshd->bhs", dout.to(acc), out.to(acc))
+    weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse).nan_to_num_(0.0)  # a -inf sink on an unseen row
+    return -(weight * rowsum).sum((0, 2))
