@@ -115,6 +115,8 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_
                 why = kernel.deterministic_reason(device)
             if why is None and varlen is True:
                 why = kernel.varlen_unavailable_reason()
+            if why is None:
+                why = kernel.auto_reason(device, dtype, head_dim)
             if why is not None:
                 passed.append(f"{name}: {why}")
                 continue

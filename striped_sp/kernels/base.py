@@ -102,6 +102,11 @@ class Kernel:
         several query heads (GQA / MQA) with ``head_dim`` on ``device`` (``None``: it can)."""
         return None
 
+    def auto_reason(self, device: torch.device, dtype: torch.dtype, head_dim=None) -> str | None:
+        """Why ``backend="auto"`` passes this kernel over on ``device`` although it runs there
+        (``None``: auto ranks it by :meth:`kernel_class`); naming the backend still runs it."""
+        return None
+
     def deterministic_reason(self, device: torch.device) -> str | None:
         """Why this kernel has no deterministic backward on ``device`` (``None``: it has one,
         :meth:`deterministic_variant`)."""

@@ -16,7 +16,7 @@ import torch
 
 from .base import _FLOAT_DTYPES, _HALF_DTYPES, Kernel, _expand_kv, _group_sum, accumulator_dtype, flash2_window, head_dims
 
-__all__ = ["TorchKernel", "GQA_NATIVE_ENV", "gqa_probe_enabled"]
+__all__ = ["TorchKernel", "GQA_NATIVE_ENV", "gqa_probe_enabled", "cudnn_reason", "cudnn_preferred"]
 
 _LOG = logging.getLogger(__name__)
 GQA_NATIVE_ENV = "STRIPED_SP_GQA_NATIVE"
@@ -37,6 +37,91 @@ def cudnn_lse_trailing_dim() -> bool:
     backward's C++ unsqueezes it itself (a 4-D lse there became 5-D)."""
     major, minor = (int(x) for x in _TORCH_VERSION.split(".")[:2])
     return (major, minor) >= (2, 9)
+
+
+def cudnn_reason(cap: tuple[int, int], cudnn: int | None, d: int | None, dv: int | None = None,
+                 frontend_d256: bool = False, backward: bool = True) -> str | None:
+    """Why PyTorch itself would not run its cuDNN attention op on a device of compute capability
+    ``cap`` with cuDNN ``cudnn`` (``torch.backends.cudnn.version()``, e.g. 91100) for head dims
+    ``(d, dv)`` (``None``: it would).  The rules of ``can_use_cudnn_attention`` in PyTorch's
+    ``sdp_utils.cpp`` (checked 2026-12 on its main branch), which a direct call of the op skips:
+
+    * compute capability 8.0 to 12.1, cuDNN 9 (the op needs ``CUDNN_VERSION >= 90000``);
+    * head dims multiples of 8, at most 128; up to 256 only on SM 9.0 / 10.x with cuDNN > 9.22 and a
+      cuDNN frontend >= 1.24 (``frontend_d256``; SM 10.7 from cuDNN 9.26); ``(192, 128)`` on SM 9.0 /
+      10.x from cuDNN 9.11;
+    * the backward (``backward``), where 256 is allowed: only ``<= 128``, ``(192, 128)`` or ``(256, 256)``.
+
+    A key length of 1 is refused as well (:meth:`TorchKernel._cuda_op` runs those calls on the
+    memory-efficient op)."""
+    major, minor = cap
+    if not ((8, 0) <= (major, minor) <= (12, 1)):
+        return f"PyTorch runs its cuDNN attention on compute capability 8.0-12.1 only, got {major}.{minor}"
+    if cudnn is None or cudnn < 90000:
+        return f"PyTorch's cuDNN attention needs cuDNN 9 or newer, got {cudnn or 'none'}"
+    if d is None:  # head dims unknown: the device and cuDNN only
+        return None
+    dv = d if dv is None else dv
+    sm90_or_10x = (major == 9 and minor == 0) or major == 10
+    d256 = sm90_or_10x and not (major == 10 and minor == 7 and cudnn <= 92500) and cudnn > 92200 and frontend_d256
+    if d256:
+        limit = 256
+    elif sm90_or_10x and cudnn >= 91100 and (d, dv) == (192, 128):
+        limit = 192
+    else:
+        limit = 128
+    if d > limit or dv > limit:
+        return (f"PyTorch's cuDNN attention takes head dims up to {limit} on compute capability {major}.{minor} "
+                f"with cuDNN {cudnn} (256 on SM 9.0 / 10.x from cuDNN 9.23 with frontend 1.24; (192, 128) from "
+                f"9.11), got ({d}, {dv})")
+    if d % 8 or dv % 8:
+        return f"PyTorch's cuDNN attention needs head dims multiples of 8, got ({d}, {dv})"
+    if backward and d256 and not ((d <= 128 and dv <= 128) or (d, dv) in ((192, 128), (256, 256))):
+        return (f"PyTorch's cuDNN attention has no backward for head dims ({d}, {dv}) on compute capability "
+                f"{major}.{minor}: <= 128, (192, 128) or (256, 256)")
+    return None
+
+
+def cudnn_preferred(cap: tuple[int, int], cudnn: int | None, cuda: str | None) -> bool:
+    """Whether PyTorch ranks its cuDNN attention first (``check_prefer_cudnn_attention`` in
+    ``sdp_utils.cpp``): compute capability 9.x / 10.x with cuDNN > 9.15 (9.15.1 fixed sequence
+    lengths not divisible by 128); built for CUDA < 13, only minor 0 or 3.  Elsewhere ``auto``
+    never picks it."""
+    major, minor = cap
+    if cudnn is None or cudnn <= 91500 or major not in (9, 10):
+        return False
+    cuda_major = int(str(cuda).split(".")[0]) if cuda and str(cuda).split(".")[0].isdigit() else 0
+    return cuda_major >= 13 or minor in (0, 3)
+
+
+_D256: dict = {}  # (device, cuDNN version) -> PyTorch takes head dim 256 on the cuDNN op there
+
+
+def _cudnn_facts(device: torch.device) -> tuple[tuple[int, int], int | None, bool, str | None] | None:
+    """``(capability, cuDNN version, frontend takes head dim 256, CUDA version)`` of a CUDA device,
+    what :func:`cudnn_reason` / :func:`cudnn_preferred` need; ``None`` without a device to ask (a
+    CPU-only build predicting for CUDA: the rules are not applied).  The frontend's version is
+    compiled into torch, so PyTorch itself is asked once whether head dim 256 passes its checks.
+    One seam: tests patch it to run these rules without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    cap = tuple(torch.cuda.get_device_capability(device))
+    try:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception:  # noqa: BLE001 - no usable cuDNN
+        cudnn = None
+    key = (str(device), cudnn)
+    if key not in _D256:
+        d256 = False
+        if cudnn is not None:
+            try:
+                q = torch.empty(1, 1, 2, 256, device=device, dtype=torch.bfloat16)
+                params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, False, False)
+                d256 = bool(torch.backends.cuda.can_use_cudnn_attention(params, False))
+            except Exception:  # noqa: BLE001 - an older torch without these: no 256
+                d256 = False
+        _D256[key] = d256
+    return cap, cudnn, _D256[key], torch.version.cuda
 
 
 def _uses_cpu_op(t: torch.Tensor) -> bool:
@@ -179,12 +264,19 @@ class TorchKernel(Kernel):
             for dim in sorted(set(head_dims(head_dim)) - {None}):
                 if dim % align != 0:
                     return f"head_dim={dim} must be a multiple of {align} for the fused CUDA ops with {dtype}"
+            facts = _cudnn_facts(device) if self.cuda_variant == "cudnn" else None
+            if facts is not None:
+                cap, cudnn, d256, _ = facts
+                return cudnn_reason(cap, cudnn, *head_dims(head_dim), frontend_d256=d256)
             return None
         return f"no fused PyTorch attention op for device type '{device.type}'"
 
     # -- CUDA op choice ------------------------------------------------------------------
-    def _cuda_op(self, q) -> str:
-        return self._cuda_op_for(q.device, q.dtype, q.size(-1))
+    def _cuda_op(self, q, k=None) -> str:
+        op = self._cuda_op_for(q.device, q.dtype, q.size(-1))
+        if op == "cudnn" and k is not None and k.size(-2) == 1:
+            return "efficient"  # PyTorch refuses cuDNN for a key length of 1 (sdp_utils.cpp)
+        return op
 
     def _cuda_op_for(self, device, dtype, head_dim: int | None) -> str:
         """``"flash"``, ``"efficient"`` or ``"cudnn"``: the op of a call.  The flash op only where
@@ -216,6 +308,19 @@ class TorchKernel(Kernel):
             return "fa3" if flash_impl() == "FA3" else "torch_flash"
         return op
 
+    def auto_reason(self, device, dtype, head_dim=None):
+        device = torch.device(device)
+        if self.cuda_variant != "cudnn" or device.type != "cuda":
+            return None
+        facts = _cudnn_facts(device)
+        if facts is None:  # no device to ask: ranked by its class, as predictions do
+            return None
+        cap, cudnn, _, cuda = facts
+        if not cudnn_preferred(cap, cudnn, cuda):
+            return (f"PyTorch prefers its cuDNN attention only on compute capability 9.x / 10.x with cuDNN > 9.15, "
+                    f"got {cap[0]}.{cap[1]} with cuDNN {cudnn or 'none'} (CUDA {cuda}): auto does not pick it")
+        return None
+
     def deterministic_reason(self, device):
         if torch.device(device).type == "cuda":
             return (f"backend {self.name!r} (PyTorch's fused CUDA attention ops) has no deterministic backward: "
@@ -244,14 +349,14 @@ class TorchKernel(Kernel):
         if _uses_cpu_op(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             return out, lse.to(accumulator_dtype(q.dtype))  # [b, s, h] in memory: a copy only where needed
-        op = self._cuda_op(q)
+        op = self._cuda_op(q, k)
         return self._cuda_forward(op, q, k, v, causal, scale, expand=not self._gqa_native(op, q, k))
 
     def backward_native(self, dout, q, k, v, out, lse, causal, scale):
         if _uses_cpu_op(q):
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, _cpu_lse(lse, q), 0.0, causal, scale=scale)
-        op = self._cuda_op(q)
+        op = self._cuda_op(q, k)
         return self._cuda_backward(op, dout, q, k, v, out, lse, causal, scale, expand=not self._gqa_native(op, q, k))
 
     def _cuda_forward(self, op, q, k, v, causal, scale, expand: bool):

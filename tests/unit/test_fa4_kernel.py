@@ -239,7 +239,11 @@ def test_auto_picks_fa4_where_it_runs(fa4, monkeypatch, caplog, cap, varlen, dim
 
 
 def test_auto_prices_cudnn_for_dense_calls_only(monkeypatch):
-    """Without FA4 / FA3: cuDNN for calls known to be dense, PyTorch's flash op otherwise."""
+    """Without FA4 / FA3: cuDNN for calls known to be dense, PyTorch's flash op otherwise (on an
+    SM 9.0 with a cuDNN PyTorch itself prefers: tests/unit/test_kernel_risks.py for the rest)."""
+    import striped_sp.kernels.torch_sdpa as kernels_torch
+
+    monkeypatch.setattr(kernels_torch, "_cudnn_facts", lambda device: ((9, 0), 91600, False, "13.0"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)

@@ -152,3 +152,105 @@ def test_cudnn_backward_gets_the_lse_its_release_wants(monkeypatch, version):
     out, lse = kernel._cuda_forward("cudnn", q, k, v, True, 0.125, expand=False)
     assert lse.shape == (1, 2, 5)  # the ring's form, whichever the release returned
     kernel._cuda_backward("cudnn", torch.zeros_like(q), q, k, v, out, lse, True, 0.125, expand=False)
+
+
+# -- cuDNN only where PyTorch itself would run it (issue 48, item 2) -------------------------------
+
+CAPS = [(7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (10, 3), (10, 7), (11, 0), (12, 0), (12, 1)]
+CUDNNS = [None, 8907, 90100, 91100, 91501, 92300, 92600]
+DIMS = [(64, 64), (128, 128), (160, 160), (192, 192), (192, 128), (256, 256), (256, 128), (72, 72)]
+
+
+def _cudnn_env(monkeypatch, cap, cudnn, d256, cuda="13.0"):
+    import striped_sp.kernels as kernels
+    import striped_sp.kernels.torch_sdpa as kernels_torch
+
+    monkeypatch.setattr(kernels_torch, "_cudnn_facts", lambda device: (cap, cudnn, d256, cuda), raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(kernels, "_SAID", set())
+
+
+def test_cudnn_runs_exactly_where_pytorch_would(monkeypatch):
+    """backend='torch_cudnn' is available for exactly the devices, cuDNN releases and head dims that
+    PyTorch's can_use_cudnn_attention admits (tests/support/sdp_rules.py), forward and backward.
+    Before issue 48 only multiples of 8 were checked: head dim 256 on an A100, 160 anywhere..."""
+    from sdp_rules import can_use_cudnn
+    from striped_sp.kernels import TorchKernel
+
+    kernel, wrong = TorchKernel("cudnn"), []
+    for cap in CAPS:
+        for cudnn in CUDNNS:
+            for d256 in (False, True):
+                _cudnn_env(monkeypatch, cap, cudnn, d256)
+                for d, dv in DIMS:
+                    want = can_use_cudnn(*cap, cudnn, d256, d, dv)
+                    why = kernel.unavailable_reason(torch.device("cuda"), torch.bfloat16, (d, dv))
+                    if (why is None) != want:
+                        wrong.append((cap, cudnn, d256, (d, dv), want, why))
+    assert not wrong, wrong[:5]
+
+
+@pytest.mark.parametrize("cuda", ["12.8", "13.0"])
+def test_auto_picks_cudnn_only_where_pytorch_prefers_it(monkeypatch, cuda):
+    """auto (dense calls, no FA4 / flash-attn) picks cuDNN only where PyTorch ranks it first
+    (check_prefer_cudnn_attention) and runs it; elsewhere PyTorch's flash op."""
+    import sys
+
+    from sdp_rules import can_use_cudnn, prefers_cudnn
+    from striped_sp.kernels import resolve_kernel
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    wrong = []
+    for cap in [c for c in CAPS if c >= (8, 0)]:
+        for cudnn in CUDNNS:
+            _cudnn_env(monkeypatch, cap, cudnn, True, cuda)
+            for d in (64, 128, 256):
+                want = "torch_cudnn" if prefers_cudnn(*cap, cudnn, cuda) and can_use_cudnn(*cap, cudnn, True, d, d) \
+                    else "torch"
+                got = resolve_kernel("auto", torch.device("cuda"), torch.bfloat16, d, varlen=False).name
+                if got != want:
+                    wrong.append((cap, cudnn, d, want, got))
+    assert not wrong, wrong[:5]
+
+
+class _KeyLengthAten:
+    """cuDNN's op refuses a key length of 1 (as PyTorch's gate does); the efficient op runs it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(torch.ops.aten, name)
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, *args, scale=None):
+        assert k.size(2) != 1, "cudnn SDPA does not support key/value sequence length 1"
+        self.calls.append("cudnn")
+        return torch.zeros_like(q), torch.zeros(*q.shape[:3], 1), None, None, q.size(2), k.size(2), None, None, None
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, *args, scale=None):
+        self.calls.append("efficient")
+        return torch.zeros_like(q), torch.zeros(*q.shape[:2], -(-q.size(2) // 32) * 32), None, None
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, *args, scale=None):
+        self.calls.append("efficient_backward")
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+
+def test_cudnn_key_length_one_runs_on_the_efficient_op(monkeypatch):
+    import types
+
+    import striped_sp.kernels.torch_sdpa as kernels_torch
+    from striped_sp.kernels import TorchKernel
+
+    aten = _KeyLengthAten()
+    monkeypatch.setattr(kernels_torch, "torch", type("T", (), {"__getattr__": lambda s, n: getattr(torch, n),
+                                                               "ops": types.SimpleNamespace(aten=aten)})())
+    monkeypatch.setattr(kernels_torch, "_uses_cpu_op", lambda t: False)
+    kernel = TorchKernel("cudnn")
+    q, k = torch.zeros(1, 2, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)
+    out, lse = kernel.forward(q, k, k, False, 0.125)
+    kernel.backward(torch.zeros_like(out), q, k, k, out, lse, False, 0.125)
+    assert aten.calls == ["efficient", "efficient_backward"]
+    kernel.forward(q, q, q, False, 0.125)
+    assert aten.calls[-1] == "cudnn"
