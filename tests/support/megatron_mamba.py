@@ -3,10 +3,13 @@
 
 * :func:`mamba_layer_spec`: megatron-core's ``MambaLayer`` / ``MambaMixer`` with the local
   (non-Transformer-Engine) linear layers and a torch LayerNorm before the mixer;
-* :func:`hybrid_model`: the model for a layer pattern (``'M'`` Mamba, ``'*'`` attention, ``'-'``
-  MLP) on a CP group, float32, no dropout, Mamba's kernels replaced by
+* :func:`gdn_layer_spec`: megatron-core's gated delta net layer (0.18+), local linear layers;
+* :func:`hybrid_model`: the model for a layer pattern (``'M'`` Mamba, ``'G'`` gated delta net,
+  ``'*'`` attention, ``'-'`` MLP) on a CP group, float32, no dropout, Mamba's kernels replaced by
   :mod:`mamba_reference_ops`; its weights copied from ``like`` when given (a CP=1 reference), so
   both models hold the same numbers whatever the CP size did to the random draws;
+* :func:`cp_groups`, :func:`compare_exact`, :func:`planted_order`: the 4-rank tests' groups,
+  comparison and planted wrong orders (test_megatron_mamba.py, test_megatron_gdn.py);
 * :func:`run_row`: one dense or packed row (padded documents too) through a CP=N model (the
   batch sliced by the plugin in ``algo``'s layout) and the same full row through a CP=1 reference
   (the plugin uninstalled: megatron-core's own RoPE and THD params); returns both losses.
