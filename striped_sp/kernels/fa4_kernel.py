@@ -44,7 +44,8 @@ import torch
 
 from .base import _HALF_DTYPES, Kernel, head_dims
 
-__all__ = ["FA4Kernel", "SUPPORTED", "SUPPORT", "MODULE", "head_dim_reason", "gqa_head_dim_reason", "import_reason"]
+__all__ = ["FA4Kernel", "SUPPORTED", "SUPPORT", "MODULE", "head_dim_reason", "gqa_head_dim_reason", "import_reason", "is_local",
+           "no_local_hd256"]
 
 MODULE = "flash_attn.cute.interface"
 DIST = "flash-attn-4"
@@ -134,6 +135,27 @@ def head_dim_reason(major: int, d: int | None, dv: int | None) -> str | None:
     if (d, dv) in ((192, 128), (256, 256)) or (8 <= d <= 128 and 8 <= dv <= 128 and d % 8 == 0 and dv % 8 == 0):
         return None
     return f"FA4 on SM100 needs head dims (d, dv) both multiples of 8 up to 128, or (192, 128), or (256, 256); got ({d}, {dv})"
+
+
+def is_local(causal: bool, wl: int | None, wr: int | None) -> bool:
+    """Whether FA4 runs a call as local (windowed) attention: upstream's
+    ``_resolve_causal_local_window`` (``causal`` sets the right side to 0; ``wl + wr < 0`` opens both
+    sides; ``(None, 0)`` is causal; any other side set is local, a triangle's ``wl = 0`` included)."""
+    if causal:
+        wr = 0
+    if wl is not None and wr is not None and wl + wr < 0:
+        return False
+    if wl is None and wr is None:
+        return False
+    return not (wl is None and wr == 0)
+
+
+def no_local_hd256(major: int | None, d: int, dv: int) -> bool:
+    """Whether FA4 runs head dims ``(d, dv)`` on compute capability ``major`` with its dedicated
+    (256, 256) kernels, which take no local attention: SM100 / SM110 ``use_dedicated_hd256_kernel``;
+    ``sm100_hd256_2cta_fmha_forward`` / ``_backward`` assert ``not is_local`` (4.0.0b14 to
+    4.0.0b36; the backward is not deterministic either)."""
+    return major in (10, 11) and (d, dv) == (256, 256)
 
 
 def gqa_head_dim_reason(major: int, d: int | None, dv: int | None) -> str | None:
@@ -238,7 +260,27 @@ class FA4Kernel(Kernel):
                   window_size_right=None, deterministic=self.deterministic)
         return res[0], res[1], res[2]
 
+    def _local_elsewhere(self, q, v, wl, wr):
+        """PyTorch's flash kernel for a local call FA4 cannot run (:func:`no_local_hd256`): packed
+        rows at head dims (256, 256) on SM100 run their windows and triangles there, forward and
+        backward alike, so that each call's lse comes from the kernel its backward runs on;
+        ``None``: FA4 runs the call."""
+        cap = _capability(q.device)
+        if not (no_local_hd256(cap[0] if cap else None, q.size(-1), v.size(-1))
+                and is_local(wl is None and wr == 0, wl, wr)):
+            return None
+        from .torch_sdpa import TorchKernel, flash_impl, flash_impl_reason
+
+        why = flash_impl_reason(flash_impl(), cap[0])
+        if why is not None:
+            raise RuntimeError("FA4 runs no windowed or packed call at head dims (256, 256) on SM100 (its dedicated "
+                               f"kernels assert not is_local), and PyTorch's flash op cannot take it here: {why}")
+        return TorchKernel()
+
     def varlen_forward_op(self, q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        other = self._local_elsewhere(q, v, wl, wr)
+        if other is not None:
+            return other.varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, wl, wr, scale)
         fwd, _ = self._functions()
         causal = wl is None and wr == 0
         res = fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
@@ -247,6 +289,10 @@ class FA4Kernel(Kernel):
         return res[0], res[1]
 
     def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale):
+        other = self._local_elsewhere(q, v, wl, wr)
+        if other is not None:  # flash-attn 2's backward reads a row without keys as lse +inf
+            lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+            return other.varlen_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale)
         _, bwd = self._functions()
         causal = wl is None and wr == 0
         res = bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal, window_size_left=wl,

@@ -19,7 +19,8 @@ never from ``striped_sp``'s kernel:
   head dim (out ``[.., h, dv]``);
 * its asserts: fp16/bf16 inputs of one dtype, the shapes, int32 contiguous ``cu_seqlens`` of
   ``batch + 1``, kv heads dividing heads, head dims multiples of 8 up to 256, per architecture
-  SM100's (d, dv) rules, SM90's GQA backward with one head dim (``flash_bwd_sm90``; windows, varlen
+  SM100's (d, dv) rules, SM100's (256, 256) kernels without local attention (forward and backward)
+  nor a deterministic backward (``sm100_hd256_2cta_fmha_*``, 4.0.0b14 on), SM90's GQA backward with one head dim (``flash_bwd_sm90``; windows, varlen
   and ``deterministic`` run on SM90 from 4.0.0b5, the first release supported); lse / out /
   dout of the backward exactly as the forward returns them.  ``max_seqlen_*`` below a segment's
   length is refused too (the kernels size their tiles by it).
@@ -161,6 +162,8 @@ class FA4Double:
         self._check_common(a, varlen)
         assert a["out"] is None and a["lse"] is None and a["score_mod"] is None and a["mask_mod"] is None
         causal, wl, wr = self._window(a["causal"], a["window_size_left"], a["window_size_right"])
+        if self.arch == 100 and (a["q"].size(-1), a["v"].size(-1)) == (256, 256):  # sm100_hd256_2cta_fmha_forward
+            assert wl is None and wr is None, "SM100 forward with head_dim=256 does not support local attention yet"
         q, k, v, _ = self._flat(a, varlen)
         scale = a["softmax_scale"] if a["softmax_scale"] is not None else q.size(-1) ** -0.5
         vis = self._visible(a, varlen, causal, wl, wr)
@@ -197,6 +200,9 @@ class FA4Double:
         for name in ("dq", "dk", "dv", "score_mod", "mask_mod"):
             assert a[name] is None
         causal, wl, wr = self._window(a["causal"], a["window_size_left"], a["window_size_right"])
+        if self.arch == 100 and (q.size(-1), v.size(-1)) == (256, 256):  # sm100_hd256_2cta_fmha_backward
+            assert wl is None and wr is None, "SM100 backward with head_dim=256 does not support local attention"
+            assert not a["deterministic"], "SM100 backward with head_dim=256 does not support deterministic mode"
         qf, kf, vf, group = self._flat(a, varlen)
         flat = (lambda t: t.double()) if varlen else (lambda t: t.double().reshape(-1, *t.shape[2:]))
         o, do = flat(a["out"]), flat(a["dout"])

@@ -254,3 +254,80 @@ def test_cudnn_key_length_one_runs_on_the_efficient_op(monkeypatch):
     assert aten.calls == ["efficient", "efficient_backward"]
     kernel.forward(q, q, q, False, 0.125)
     assert aten.calls[-1] == "cudnn"
+
+
+# -- FA4 at head dims (256, 256) on SM100: no local attention (issue 48, item 1) -------------------
+
+def _hd256_segments(folded: bool = False):
+    from striped_sp.kernels.segments import Segments
+
+    if folded:  # with causal runs: folded into causal and full launches, nothing local (FA4 runs them)
+        return Segments(torch.tensor([0, 7, 19, 31, 40]), torch.tensor([0, 7, 19, 36, 45]),
+                        torch.tensor([5, 5, 0, -1]), torch.tensor([0, 0, -1, 0]))
+
+    # two windows (5, 0) and a triangle (0, open) on more keys: two window classes (a call with
+    # causal runs folds into causal and full launches, kernels/native.py); the triangle's wl = 0 is
+    # local to FA4 with no user window
+    return Segments(torch.tensor([0, 7, 19, 31]), torch.tensor([0, 7, 19, 36]), torch.tensor([5, 5, 0]),
+                    torch.tensor([0, 0, -1]))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("folded", [False, True], ids=["windowed", "folded"])
+def test_fa4_hd256_local_calls_run_where_they_can_on_sm100(monkeypatch, heads, folded):
+    """FA4's dedicated (256, 256) kernels on SM100 assert ``not is_local``, forward and backward
+    (tests/support/fa4_double.py): before issue 48 every windowed or packed call there raised.  Its
+    local calls now run on PyTorch's flash varlen op (checked by aten_contracts.AtenShim), its causal
+    and full ones on FA4; together exact against the float64 math kernel."""
+    import striped_sp.kernels as kernels
+    import striped_sp.kernels.fa4_kernel as fa4_mod
+    import striped_sp.kernels.torch_sdpa as kernels_torch
+    from aten_contracts import AtenShim, TorchProxy
+    from fa4_double import install_fa4
+    from striped_sp.kernels import FA4Kernel, MathKernel
+
+    monkeypatch.setattr(fa4_mod, "_capability", lambda device: (10, 0))
+    monkeypatch.setattr(kernels.KERNELS["fa4"], "_fns", None)
+    double = install_fa4(monkeypatch, arch=100)
+    shim = AtenShim("values", 0.0625)
+    monkeypatch.setattr(kernels_torch, "torch", TorchProxy(shim))
+    segs, d = _hd256_segments(folded), 256
+    nq, nk = int(segs.cu_q[-1]), int(segs.cu_k[-1])
+    gen = torch.Generator().manual_seed(7)
+    q, do = (torch.randn(1, nq, heads[0], d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, nk, heads[1], d, generator=gen).to(torch.bfloat16) for _ in range(2))
+
+    def run(kernel, tq, tk, tv, tdo):
+        acc = torch.zeros(1, nq, heads[0], d, dtype=torch.float64 if tq.dtype == torch.float64 else torch.float32)
+        lse = torch.full((1, heads[0], nq), float("-inf"), dtype=acc.dtype)
+        kernel.forward_varlen(tq, tk, tv, segs, 0.0625, acc, lse)
+        grads = [torch.zeros(t.shape, dtype=acc.dtype) for t in (tq, tk, tv)]
+        kernel.backward_varlen(tdo, tq, tk, tv, acc.to(tq.dtype), lse, segs, 0.0625, *grads)
+        return acc, lse, grads
+
+    got = run(FA4Kernel(), q, k, v, do)
+    want = run(MathKernel(), *(t.double() for t in (q, k, v, do)))
+    fa4_calls = {(c[1]["causal"], c[1]["window_size_left"], c[1]["window_size_right"]) for c in double.calls}
+    assert all(not fa4_mod.is_local(*w) for w in fa4_calls)  # FA4 got no local call
+    if folded:
+        assert fa4_calls and not shim.calls
+    else:
+        assert {"_flash_attention_forward", "_flash_attention_backward"} <= set(shim.calls)
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    assert rel(got[0], want[0]) < 2e-2 and rel(got[1], want[1]) < 1e-5
+    for g, w in zip(got[2], want[2]):
+        assert rel(g, w) < 3e-2
+
+
+@pytest.mark.parametrize("causal, wl, wr, local", [
+    (True, None, None, False), (False, None, 0, False), (False, None, None, False), (False, -1, -1, False),
+    (False, 0, None, True), (False, 5, 0, True), (True, 5, None, True), (False, None, 3, True)])
+def test_fa4_local_rule_is_upstreams(causal, wl, wr, local):
+    """is_local is upstream's _resolve_causal_local_window (a triangle's wl = 0 is local)."""
+    from striped_sp.kernels.fa4_kernel import is_local, no_local_hd256
+
+    assert is_local(causal, wl, wr) is local
+    assert no_local_hd256(10, 256, 256) and not no_local_hd256(9, 256, 256) and not no_local_hd256(10, 192, 128)
