@@ -16,7 +16,9 @@ model's extra keyword arguments through to every attention layer):
 * ``sliding_window=W`` (Mistral; Qwen2-style models pass it for their sliding layers only and
   ``None`` for full ones): a query sees itself and the ``W - 1`` keys before it, i.e.
   ``window_size=(W - 1, 0)``, as transformers' own ``sliding_window_overlay`` mask;
-* ``softcap`` (logit soft-capping) and ``s_aux`` (attention sinks): refused.
+* ``s_aux`` (attention sinks, gpt-oss: one logit per query head with no value): folded once into
+  the ring's merged log-sum-exp (``sinks=`` of :class:`~striped_sp.engine.request.RingRequest`);
+* ``softcap`` (logit soft-capping): refused.
 
 The active settings are process-wide (one context-parallel configuration per process), as
 transformers' registry itself is.
@@ -221,9 +223,8 @@ def hf_attention_forward(
     if inside_gathered_mixer() is not None:
         raise ValueError(f"{inside_gathered_mixer()}: an attention inside a token mixer that runs on the gathered "
                          "sequence cannot run the ring; train this model with sequence_parallel_size=1")
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{name} is not supported by the ring engine yet: use a model without it")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("softcap is not supported by the ring engine yet: use a model without it")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     # with $STRIPED_SP_CHECK_RANKS=1 / always every rank learns of another's failed check (one small
     # exchange per call), instead of waiting for it in the ring
@@ -240,4 +241,5 @@ def hf_attention_forward(
         request = settings.request(causal, scaling, window)
         if cu_seqlens is not None:
             request = request.derive(cu_seqlens=cu_seqlens)
-    return request(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)), None
+    # s_aux: the attention sinks (gpt-oss), one logit per query head, folded once into the merged lse
+    return request(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), sinks=kwargs.get("s_aux")), None

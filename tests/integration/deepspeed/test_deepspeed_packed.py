@@ -292,8 +292,8 @@ def _case_errors():
 
     with pytest.raises(ValueError, match="softcap"):
         hf_attention_forward(Layer(), q, kv, kv, None, softcap=30.0)
-    with pytest.raises(ValueError, match="s_aux"):
-        hf_attention_forward(Layer(), q, kv, kv, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"sinks has shape \(3,\): expected \[4\]"):  # s_aux: one per query head
+        hf_attention_forward(Layer(), q, kv, kv, None, s_aux=torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="sliding_window=4 on a non-causal"):
         hf_attention_forward(Layer(), q, kv, kv, None, is_causal=False, sliding_window=4)
     with pytest.raises(ValueError, match="sliding_window=0"):
