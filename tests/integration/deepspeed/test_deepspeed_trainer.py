@@ -335,17 +335,21 @@ def _case_trainer_window():
 
 
 def _tiny_hybrid(model_type, attn):
+    """A hybrid family's tiny model, or gpt-oss (sinks, alternating windows of 8)."""
     from support.token_mixing import HYBRID_SHAPES, tiny_causal_lm
+    from test_hf_sinks import GPT_OSS
 
-    model, why = tiny_causal_lm(model_type, **HYBRID_SHAPES[model_type], use_cache=False, tie_word_embeddings=False)
+    shape = {**HYBRID_SHAPES.get(model_type, {}), **(GPT_OSS if model_type == "gpt_oss" else {})}
+    model, why = tiny_causal_lm(model_type, **{**shape, "use_cache": False, "tie_word_embeddings": False})
     assert model is not None, why
     model.set_attn_implementation(attn)
     return model.train()
 
 
 def _case_trainer_hybrid(model_type):
-    """A hybrid model (gated delta net / short convolution beside attention): its mixers run on the
-    gathered sequence under the Trainer; one clipped SGD step equals a plain eager model's."""
+    """A hybrid model (gated delta net / short convolution beside attention: its mixers run on the
+    gathered sequence) or gpt-oss (sinks, the window hint from its layer types) under the Trainer;
+    one clipped SGD step equals a plain eager model's."""
     from accelerate.state import AcceleratorState
 
     from striped_sp.deepspeed import ContextParallelTrainer
@@ -359,8 +363,10 @@ def _case_trainer_hybrid(model_type):
     torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
     expected = {n: (p - LR * p.grad).detach() for n, p in ref.named_parameters()}
     out = os.path.join(_STATE["tmp"], f"trainer_{model_type}")
-    trainer = ContextParallelTrainer(model=_tiny_hybrid(model_type, "sdpa"),
+    trainer = ContextParallelTrainer(model=_tiny_hybrid(model_type, "eager" if model_type == "gpt_oss" else "sdpa"),
                                      args=_args(out, 2, gradient_accumulation_steps=1), train_dataset=train)
+    if model_type == "gpt_oss":
+        assert trainer.context_parallel.layout == "striped:window=8,global_every=2"
     trainer.train()
     assert trainer.state.global_step == 1
     for name, p in trainer.model.named_parameters():
@@ -373,7 +379,8 @@ CASES = [("setup", _setup, ()), ("trainer_errors", _case_trainer_errors, ()),
          ("accelerate_zero2", _case_accelerate, ()),
          ("trainer_window", _case_trainer_window, ()),
          ("trainer_lfm2", _case_trainer_hybrid, ("lfm2",)),
-         ("trainer_qwen3_next", _case_trainer_hybrid, ("qwen3_next",))]  # each after the first resets accelerate's state
+         ("trainer_qwen3_next", _case_trainer_hybrid, ("qwen3_next",)),
+         ("trainer_gpt_oss", _case_trainer_hybrid, ("gpt_oss",))]  # each after the first resets accelerate's state
 
 
 @pytest.fixture(scope="module")
