@@ -26,10 +26,10 @@ GPT_OSS = dict(num_hidden_layers=4, sliding_window=8, layer_types=["sliding_atte
                num_local_experts=4, num_experts_per_tok=2, head_dim=16, use_cache=False)
 
 
-def _model():
+def _model(**overrides):
     from support.token_mixing import tiny_causal_lm
 
-    model, why = tiny_causal_lm("gpt_oss", **GPT_OSS)
+    model, why = tiny_causal_lm("gpt_oss", **{**GPT_OSS, **overrides})
     assert model is not None, why
     sinks = [m.sinks for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.nn.Parameter)]
     assert len(sinks) == GPT_OSS["num_hidden_layers"], len(sinks)

@@ -65,9 +65,22 @@ def _doc_loss_sum(model, doc):
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
 
 
-def _reference(rows, batch, ga):
+def _tiny_gpt_oss(attn="eager"):
+    """transformers' gpt-oss at a tiny shape: sinks away from zero, windows of 8 alternating with
+    global layers (test_hf_sinks.py), the vocabulary of these tests."""
+    from test_hf_sinks import _model
+
+    model = _model(vocab_size=VOCAB, router_aux_loss_coef=0.0)  # refused under SP otherwise (its own test)
+    model.set_attn_implementation("eager")  # gpt-oss takes no sdpa; ours replaces it under SP
+    return model
+
+
+MODELS = {"llama": _tiny_llama, "gpt_oss": _tiny_gpt_oss}
+
+
+def _reference(rows, batch, ga, model_name="llama"):
     """Per optimizer step of ``batch * ga`` prepared rows: (loss, pre-clip grad norm), per document."""
-    model = _tiny_llama()
+    model = MODELS[model_name]()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     for start in range(0, len(rows), batch * ga):
@@ -120,7 +133,7 @@ def _eval_targets_per_rank(trainer):
     return counts
 
 
-def _case_sft(name, batch, ga, n_docs, longest, dev_lengths=None, **sft):
+def _case_sft(name, batch, ga, n_docs, longest, dev_lengths=None, model_name="llama", **sft):
     """SFTTrainer at SP=2 against the per-document reference: loss and grad norm of every step.
     ``dev_lengths``: the evaluation documents' lengths (else 4 random ones)."""
     from accelerate.state import AcceleratorState
@@ -136,7 +149,7 @@ def _case_sft(name, batch, ga, n_docs, longest, dev_lengths=None, **sft):
         g = torch.Generator().manual_seed(12)
         dev = Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in dev_lengths]})
     out = os.path.join(os.environ["STRIPED_SP_TEST_TMP"], name)
-    trainer = ContextParallelSFTTrainer(model=_tiny_llama(attn="sdpa"), args=_config(out, batch, ga, **sft),
+    trainer = ContextParallelSFTTrainer(model=MODELS[model_name](attn="sdpa"), args=_config(out, batch, ga, **sft),
                                         train_dataset=train, eval_dataset=dev, processing_class=_tokenizer())
     torch.set_num_threads(1)  # accelerate's CPU state set it to the core count
     rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
@@ -149,7 +162,7 @@ def _case_sft(name, batch, ga, n_docs, longest, dev_lengths=None, **sft):
         assert counts and all(a == 3 * b > 0 for a, b in counts), counts
     expected = [None]
     if dist.get_rank() == 0:  # the reference once, on one process
-        ref, ref_losses, ref_norms = _reference(rows, batch, ga)
+        ref, ref_losses, ref_norms = _reference(rows, batch, ga, model_name)
         expected = [(ref_losses, ref_norms, _eval_reference(ref, dev_rows, batch) if dev_rows else None)]
     dist.broadcast_object_list(expected, src=0)
     ref_losses, ref_norms, ref_eval = expected[0]
@@ -229,6 +242,12 @@ def _case_packing():
     _case_sft("packing", 2, 2, 30, 9, packing=True, max_length=16)
 
 
+def _case_packing_gpt_oss():
+    """gpt-oss (sinks, windows of 8 / global) with TRL packing: the window hint and the sinks on
+    packed rows, every step's loss and grad norm against the per-document reference."""
+    _case_sft("packing_gpt_oss", 2, 2, 40, 9, model_name="gpt_oss", packing=True, max_length=16)
+
+
 def _case_padding_free():
     _case_sft("padding_free", 3, 1, 12, 11, padding_free=True, max_length=None)
 
@@ -242,7 +261,8 @@ def _case_eval_uneven_targets():
 
 
 CASES = [("setup", _setup, ()), ("errors", _case_errors, ()), ("packing_bfd", _case_packing, ()),
-         ("padding_free", _case_padding_free, ()), ("eval_uneven_targets", _case_eval_uneven_targets, ())]
+         ("packing_gpt_oss", _case_packing_gpt_oss, ()), ("padding_free", _case_padding_free, ()),
+         ("eval_uneven_targets", _case_eval_uneven_targets, ())]
 
 
 @pytest.fixture(scope="module")
