@@ -18,6 +18,9 @@ from striped_sp.plan.layouts import LAYOUTS
 SIM_KEYS = {"layout", "world_size", "seq_len", "pass", "critical_path_ms", "speedup_vs_contiguous", "efficiency"}
 RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
             "padding_tokens", "peak_mib", "samples_ms", "cpu_samples_ms"}
+#: a striped line's plan (bench/report.py plan_report: the default striped has one too)
+PLAN_KEYS = {"plan", "plan_balance", "plan_stripe_size", "plan_whole_max", "plan_whole_documents", "plan_cost_model",
+             "predicted_ms", "predicted_forward_ms"}
 
 
 def _brute_force(layout: str, world_size: int, local_len: int) -> list[list[int]]:
@@ -133,7 +136,7 @@ def test_run_smoke(tmp_path, capsys, monkeypatch):
     assert {r["impl"] for r in recs} == {"striped", "zigzag", "contiguous", "torch_ring", "ulysses",
                                          "striped+u2", "zigzag+u2", "contiguous+u2", "sdpa_1proc"}
     for r in recs:
-        assert set(r) == RUN_KEYS
+        assert set(r) == RUN_KEYS | (PLAN_KEYS if r["impl"] == "striped" else set()), r["impl"]
         assert r["world_size"] == (1 if r["impl"] == "sdpa_1proc" else 2) and r["seq_len"] == 12
         # every line that ran has its peak memory: at least its own inputs (q, k, v, dout; fp32)
         inputs_mib = 4 * r["seq_len"] // r["world_size"] * 2 * 8 * 4 / 2**20

@@ -5,6 +5,7 @@ The run is a real launch of two gloo processes (``torch.distributed.run``) in a 
 so nothing of pytest's logging capture is involved."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -31,13 +32,19 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _launch(tmp_path, sp):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.replace("SP", str(sp)))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "LOGLEVEL"))}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(29500 + os.getpid() % 1000), str(script)],
+                           "--master-port", str(_free_port()), str(script)],
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
