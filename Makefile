@@ -43,7 +43,7 @@ else
 MPYTHON := $(PY312)
 endif
 
-.PHONY: demo test test-megatron results venv torch clean
+.PHONY: demo test test-megatron test-torch gpu-wheels results venv torch clean
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -84,5 +84,37 @@ $(MVENV)/.installed: setup.cfg pyproject.toml
 test-megatron: $(MVENV)/.installed
 	$(MVENV)/bin/python -m pytest -q tests/integration/megatron
 
+# `make test-torch TORCH_VERSION=2.11.0` (or TORCH=2.11.0): the core tests (CORE_TESTS: the engine,
+# the plans and the kernels on CPU, no Megatron / DeepSpeed / transformers) against another torch
+# release, in its own Python 3.11 environment (.venv-torch-<version>), torch installed as
+# install_torch does (PyTorch's CPU index, else the registry). CORE_DEPS: what those tests import
+# besides torch.
+CORE_TESTS ?= tests/unit tests/dist -m "not integration and not gpu"
+CORE_DEPS ?= "pytest>=7" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
+TORCH_VERSION ?= $(patsubst torch==%,%,$(TORCH))
+TVENV := .venv-torch-$(TORCH_VERSION)
+
+$(TVENV)/.installed: setup.cfg pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
+	$(TVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MAKE) --no-print-directory torch VENV=$(TVENV) TORCH=torch==$(TORCH_VERSION)
+	$(TVENV)/bin/python -m pip install --quiet -e . $(CORE_DEPS) "torch==$(TORCH_VERSION)"
+	touch $@
+
+test-torch: $(TVENV)/.installed
+	$(TVENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(TVENV)/bin/python -m pytest -q $(CORE_TESTS)
+
+# `make gpu-wheels PYVER=3.12 CUDA=13`: flash-attn-4 and its dependencies (torch aside) as wheel files
+# for a GPU machine without network (docs/gpu.md): downloaded for that Python and CUDA major (13
+# for torch +cu130, 12 otherwise) into gpu-wheels/py312-cu13/, files over 60 MiB split into parts,
+# dealt into transfer-1/, transfer-2/ (each <= 56 MiB) with a manifest of sizes and sha256.
+# There: `python3 tools/gpu_wheels.py install gpu-wheels/py312-cu13`. DRY_RUN=1: the command only.
+PYVER ?= 3.12
+CUDA ?= 13
+gpu-wheels:
+	$(PYTHON) tools/gpu_wheels.py download --python $(PYVER) --cuda $(CUDA) --out gpu-wheels $(if $(DRY_RUN),--dry-run)
+
 clean:
-	rm -rf $(VENV) .venv-mcore-* build *.egg-info
+	rm -rf $(VENV) .venv-mcore-* .venv-torch-* build *.egg-info
