@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -93,8 +94,13 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _dist_name(filename: str) -> str:
-    return filename.split("-")[0].replace("_", "-").lower()
+    """A wheel file's distribution name, normalised (its name has no '-': PEP 427)."""
+    return _norm(filename.split("-")[0])
 
 
 def pack(src: str, out: str, split_mib: float = SPLIT_MIB, transfer_mib: float = TRANSFER_MIB,
@@ -103,7 +109,7 @@ def pack(src: str, out: str, split_mib: float = SPLIT_MIB, transfer_mib: float =
     ``out/transfer-K`` folders of at most ``transfer_mib`` (first fit, largest first) and write the
     manifest into each. ``if_missing``: {distribution name: import name}."""
     split, budget = int(split_mib * MiB), int(transfer_mib * MiB)
-    by_dist = {_dist_name(k.split("=")[0].split(">")[0].split("<")[0]): v for k, v in (if_missing or {}).items()}
+    by_dist = {_norm(re.match(r"[A-Za-z0-9._-]+", k).group()): v for k, v in (if_missing or {}).items()}
     files, pieces = [], []  # pieces: (size, name, source path, offset)
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
