@@ -155,3 +155,14 @@ def test_the_tool_is_standard_library_only():
 def test_pythonpath_holds_the_cutlass_dsl_packages_folder():
     # nvidia-cutlass-dsl adds nvidia_cutlass_dsl/dsl_packages with a .pth file, not run from PYTHONPATH
     assert gw.pythonpath("/x/site").split(os.pathsep) == ["/x/site", "/x/site/nvidia_cutlass_dsl/dsl_packages"]
+
+
+def test_the_fa4_extras_per_cuda_major():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    extras = {k: [ln.strip() for ln in v.strip().splitlines()] for k, v in cfg["options.extras_require"].items()}
+    # nvidia-cutlass-dsl's default flavour is cu12; torch +cu130 needs flash-attn-4's cu13 extra
+    assert extras["fa4"] == ["flash-attn-4>=4.0.0b5,<4.1"]
+    assert extras["fa4-cu13"] == ["flash-attn-4[cu13]>=4.0.0b5,<4.1"]
