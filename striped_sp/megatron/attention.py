@@ -114,10 +114,11 @@ class ContextParallelAttention(MegatronModule):
             self.backend = kernel_backend_of(getattr(config, "attention_backend", None))
         #: --deterministic-mode: a reproducible backward (refused on kernels that have none)
         self.deterministic = bool(getattr(config, "deterministic_mode", False))
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(
-                f"{flag} supports --softmax-type vanilla only (got {config.softmax_type!r})"
-            )
+        #: --softmax-type: vanilla, off-by-one (a fixed zero sink logit) or learnable (a parameter)
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"{flag} supports --softmax-type vanilla, off-by-one or learnable "
+                             f"(got {self.softmax_type!r})")
         if getattr(config, "hybrid_context_parallel", False):
             raise ValueError(
                 f"{flag} does not support hybrid context parallelism yet: drop --hybrid-context-parallel"
@@ -148,11 +149,32 @@ class ContextParallelAttention(MegatronModule):
             calibrate_cost_model(group=None, backend=self.backend, head_dim=head_dim,
                                  dtype=getattr(config, "params_dtype", None) if torch.cuda.is_available() else None)
 
+        _make_softmax_offset(self, config, self.num_attention_heads_per_partition)
+        #: for the sharded state dict (the TP split of softmax_offset), as Megatron's core attention
+        self.tp_group = tp
+
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them
         # back inside the fp32 softmax: the net scale is the plain one.
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(head_dim)
         self.softmax_scale = float(softmax_scale)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """As megatron-core's ``DotProductAttention`` / ``TEDotProductAttention``: the learnable
+        ``softmax_offset`` split over TP along its only axis; nothing else."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        state_dict = self.state_dict(prefix="", keep_vars=True) if self.softmax_type == "learnable" else {}
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+    def _sinks(self, device):
+        """The sink logits ``[heads per TP partition]`` (``None`` under vanilla softmax)."""
+        sinks = self.softmax_offset
+        if sinks is not None and sinks.device != device and not isinstance(sinks, torch.nn.Parameter):
+            self.softmax_offset = sinks = sinks.to(device)  # off-by-one's zeros, once (not a buffer)
+        return sinks
 
     def _documents(self, attention_mask, local_len: int, batch: int):
         """Per-row document bounds of a bshd batch from its mask, or ``None`` (one document)."""
@@ -274,7 +296,8 @@ class ContextParallelAttention(MegatronModule):
 
     def _ring(self, q, k, v, causal: bool, cu_seqlens, layout: str | None = None):
         request = self._request(causal, layout)
-        return (request if cu_seqlens is None else request.derive(cu_seqlens=cu_seqlens))(q, k, v)
+        return (request if cu_seqlens is None else request.derive(cu_seqlens=cu_seqlens))(
+            q, k, v, sinks=self._sinks(q.device))
 
 
 class ContextParallelAttentionTEState(ContextParallelAttention):
@@ -289,6 +312,24 @@ class ContextParallelAttentionTEState(ContextParallelAttention):
 
     def set_extra_state(self, state) -> None:
         pass
+
+
+def _make_softmax_offset(module, config, heads: int) -> None:
+    """``softmax_offset`` as megatron-core's ``DotProductAttention`` makes it: ``None`` (vanilla),
+    fixed zeros (off-by-one: a plain tensor, not in the state dict) or a learnable parameter, one
+    per query head of this TP partition, in ``params_dtype``, drawn with ``config.init_method``
+    (the same draw at the same point of the model's construction, so weights match a native build)."""
+    kind = module.softmax_type
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    dtype = config.params_dtype
+    if kind == "vanilla":
+        module.softmax_offset = None
+    elif kind == "off-by-one":
+        module.softmax_offset = torch.zeros(heads, device=device, dtype=dtype)
+    else:
+        module.register_parameter("softmax_offset", torch.nn.Parameter(torch.empty(heads, device=device, dtype=dtype)))
+        if config.perform_initialization:
+            module.softmax_offset = config.init_method(module.softmax_offset)
 
 
 def _ulysses_groups(cp_comm_type: str, cp_group, pg_collection, flag: str):

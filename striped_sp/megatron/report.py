@@ -41,8 +41,11 @@ def setup_line(model, algo: str) -> str | None:
     head_dim = attention.hidden_size_per_attention_head
     if attention.value_head_dim != head_dim:
         head_dim = (head_dim, attention.value_head_dim)
-    return line(f"Megatron, --context-parallel-algo {algo}", attention.layout,
+    text = line(f"Megatron, --context-parallel-algo {algo}", attention.layout,
                 f"CP size {size} ({where}; --cp-comm-type {attention.cp_comm_type})", attention.backend,
                 "cuda" if torch.cuda.is_available() else "cpu", _dtype(model.config), head_dim,
                 "--striped-calibrate measures it",
                 gqa=attention.num_query_groups_per_partition < attention.num_attention_heads_per_partition)
+    if attention.softmax_type != "vanilla":  # --softmax-type: the sink logit folded into the ring's lse
+        text += f"; sinks {attention.softmax_type}"
+    return text
