@@ -99,6 +99,9 @@ def _masked_balance(args) -> int:
 
     from .bench.sim import Bar
 
+    if getattr(args, "global_every", None):
+        return _mixed_balance(args)
+
     # a bar weighted by the N^2 block plans of each (N, layout): the large N take most of the time
     bar = Bar(sum(n * n for n in args.world_sizes) * len(args.layouts), "balance (block plans)", not args.no_progress)
     recs = []
@@ -121,6 +124,31 @@ def _masked_balance(args) -> int:
         write_json(args.json, recs)
     if args.plot:
         plot_balance(args.plot, recs, masked=True)
+    return 0
+
+
+def _mixed_balance(args) -> int:
+    from .bench.mixed import check_global_every
+    from .bench.report import format_table, plan_lines, write_json
+    from .bench.work import mixed_balance_records
+
+    ks = check_global_every(args.global_every, args.window)
+    if args.plot:
+        raise ValueError("--plot with --global-every: no plot of mixed blocks; leave out --plot")
+    recs = mixed_balance_records(args.layouts, args.world_sizes, args.tokens_per_rank, args.docs, args.window, ks)
+    print(f"work model: attention score entries per ring step, {args.tokens_per_rank} tokens per rank, "
+          f"documents {args.docs or 'one per row'}; blocks of K layers: K-1 with window {args.window}, 1 global "
+          "causal, one layout for all;\ncritical path = sum over steps of the busiest rank; ideal = visible score "
+          "entries of the unpadded row / N; block = the layers' critical paths over their ideals, summed\n")
+    print(format_table(recs, [("layout", "layout"), ("world_size", "N"), ("global_every", "K"),
+                              ("documents", "documents"), ("padding_tokens", "padding"),
+                              ("window_layer_balance", "window layer"), ("global_layer_balance", "global layer"),
+                              ("critical_path_over_ideal", "block critical/ideal")]))
+    lines = plan_lines([r for r in recs if r["global_every"] == ks[0]], None, "")
+    if lines:
+        print("\n(the window layer's plan; cost model forward per head)\n" + "\n".join(lines))
+    if args.json:
+        write_json(args.json, recs)
     return 0
 
 

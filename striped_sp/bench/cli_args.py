@@ -139,6 +139,10 @@ def add_balance(modes) -> None:
     b.add_argument("--world-sizes", type=_ints, default=[2, 4, 8, 16, 32, 64], help="ring sizes N to sweep")
     b.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens per rank")
     _masks(b)
+    b.add_argument("--global-every", type=_ints, default=None, metavar="K",
+                   help="mixed local/global model (needs --window): every K-th layer global causal, the "
+                        "others windowed; per layout the window layer's, the global layer's and one block's "
+                        "((K-1) window layers + 1 global layer) critical path over ideal (several K: comma-separated)")
 
 
 def add_sim(modes) -> None:

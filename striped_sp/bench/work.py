@@ -15,7 +15,7 @@ from .docs import workload
 from .report import plan_report
 
 __all__ = ["step_entries", "masked_step_entries", "score_entries", "critical_path_over_ideal",
-           "balance_records", "masked_balance_records"]
+           "balance_records", "masked_balance_records", "mixed_balance_records"]
 
 
 def step_entries(layout: str, world_size: int, local_len: int, causal: bool = True) -> list[list[int]]:
@@ -77,8 +77,31 @@ def masked_balance_records(layouts, world_sizes, tokens_per_rank: int, docs: str
                 "layout": lay, "world_size": n, "tokens_per_rank": tokens_per_rank, "docs": docs,
                 "window": window or 0, "padding_tokens": work.padding_tokens,
                 "documents": len(work.mask.bounds) - 1, "critical_path_over_ideal": critical / work.ideal_entries,
+                "critical_entries": critical, "ideal_entries": work.ideal_entries,
                 # a striped layout with parameters: the placement chosen and the cost model's forward per head
                 **plan_report(lay, workload("striped", n, tokens_per_rank, docs, None).mask.bounds, n,
                               bool(window), 1),
             })
     return records
+
+
+def mixed_balance_records(layouts, world_sizes, tokens_per_rank: int, docs: str | None, window: int,
+                          ks, seed: int = 0) -> list[dict]:
+    """A mixed local/global model's balance (:mod:`.mixed`: one block of ``K`` layers, ``K - 1`` with
+    the window and one global causal layer, sharing the row's layout): per layout, N and K the window
+    layer's and the global layer's critical path over ideal (``window_layer_balance``,
+    ``global_layer_balance``) and the block's, ``critical_path_over_ideal`` = ``((K - 1) * critical_w +
+    critical_g) / ((K - 1) * ideal_w + ideal_g)`` in score entries; the window record's other fields
+    (its plan line) kept, the global layer's plan balance as ``global_plan_balance``."""
+    out = []
+    for k in ks:
+        for lay in layouts:
+            for n in world_sizes:
+                w, = masked_balance_records([lay], [n], tokens_per_rank, docs, window, seed)
+                g, = masked_balance_records([lay], [n], tokens_per_rank, docs, None, seed)
+                crit = (k - 1) * w["critical_entries"] + g["critical_entries"]
+                ideal = (k - 1) * w["ideal_entries"] + g["ideal_entries"]
+                out.append({**w, "global_every": k, "window_layer_balance": w["critical_path_over_ideal"],
+                            "global_layer_balance": g["critical_path_over_ideal"],
+                            "global_plan_balance": g.get("plan_balance"), "critical_path_over_ideal": crit / ideal})
+    return out
