@@ -95,10 +95,11 @@ def _models(cp, algo, softmax_type, window, seed):
     model = tiny_gpt(env[cp], algo, **common)
     if softmax_type == "learnable":  # sinks large enough to matter (init std 0.3 gives small ones)
         gen = torch.Generator().manual_seed(seed + 5)
-        for m in (ref, model):
-            for layer in m.decoder.layers:
-                with torch.no_grad():
-                    layer.self_attention.core_attention.softmax_offset.copy_(torch.randn(4, generator=gen) * 2)
+        for a, b in zip(ref.decoder.layers, model.decoder.layers):
+            value = torch.randn(4, generator=gen) * 2
+            with torch.no_grad():
+                for layer in (a, b):
+                    layer.self_attention.core_attention.softmax_offset.copy_(value)
     return ref, model, env[cp]
 
 
