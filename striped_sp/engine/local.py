@@ -56,7 +56,8 @@ def local_plans(request: RingRequest, world_size: int, local_len: int, *, device
     the request's ``grad_comm_dtype`` or the accumulator dtype)."""
     u = request.ulysses_size
     n_all = world_size * u
-    kernel = kernel or resolve_kernel(request.backend, device, dtype, head_dim, deterministic=request.deterministic)
+    kernel = (kernel or resolve_kernel(request.backend, device, dtype, head_dim, deterministic=request.deterministic,
+                                       softcap=request.softcap)).with_softcap(request.softcap)
     mask = request._mask(local_len // u, n_all)
     layout = GroupedLayout(request.layout, u) if request.hierarchical else request.layout
     comm = comm_dtype or request.grad_comm_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)

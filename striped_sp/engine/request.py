@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .agreement import agree, agreeing, check_ranks_enabled
 from .autograd import RingAttention
-from ..kernels import BACKENDS, Kernel, accumulator_dtype, gqa_probe_enabled, resolve_kernel
+from ..kernels import BACKENDS, Kernel, accumulator_dtype, check_softcap, gqa_probe_enabled, resolve_kernel
 from ..plan.layouts import Layout, get_layout
 from ..plan.masks import MaskSpec, as_bounds, check_window, make_mask
 from ..plan.ring_plan import HostPlan, RingPlan
@@ -99,8 +99,10 @@ class RingRequest:
                  backend: str = "auto", cu_seqlens=None, window_size=None, sliding_window=None,
                  deterministic: bool = False, ulysses_size: int = 1, ulysses_groups=None,
                  grad_comm_dtype: torch.dtype | None = None, timeout: float | None = None,
-                 stripe_size: int | None = None, doc_placement=None, sharded_by_documents: bool = False):
+                 stripe_size: int | None = None, doc_placement=None, sharded_by_documents: bool = False,
+                 softcap: float | None = None):
         self.group = check_group(group)
+        self.softcap = check_softcap(softcap)  # 0.0 = off
         self.layout: Layout = get_layout(layout, stripe_size, doc_placement)
         self.causal = check_flag("causal", causal)
         self.softmax_scale = check_scale(softmax_scale)
@@ -272,7 +274,9 @@ class RingRequest:
         if kernel is None:  # by (d, dv): a kernel with MLA shapes of its own (FA4's (192, 128)) is judged on them
             dims = q.size(-1) if q.size(-1) == v.size(-1) else (q.size(-1), v.size(-1))
             kernel = resolve_kernel(self.backend, q.device, q.dtype, dims, deterministic=self.deterministic,
-                                    varlen=mask is not None, gqa=k.size(2) != q.size(2))
+                                    varlen=mask is not None, gqa=k.size(2) != q.size(2), softcap=self.softcap)
+        else:
+            kernel = kernel.with_softcap(self.softcap)
         if mask is not None and kernel.varlen_unavailable_reason() is not None:
             what = "cu_seqlens / window_size" + (" under hierarchical CP" if self.hierarchical else "")
             raise ValueError(f"backend {kernel.name!r} cannot run {what}: {kernel.varlen_unavailable_reason()}")
@@ -302,7 +306,7 @@ class RingRequest:
             ("ulysses_size", call.ulysses), ("backend", call.kernel.name), ("grad_comm_dtype", call.comm),
             ("deterministic", self.deterministic),
             ("sharded by documents", sharded),  # None where the documents move no token
-            ("sinks", sinks),
+            ("sinks", sinks), ("softcap", self.softcap),
         ]
         agree(group, fields, what="ring_attention", device=q.device, timeout=timeout, enabled=True)
 
@@ -471,6 +475,7 @@ def ring_attention(
     doc_placement=None,
     sharded_by_documents: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ``group`` in ``layout``.
 
@@ -534,6 +539,10 @@ def ring_attention(
             after the ring, in float32 (float64 for float64 inputs).  Differentiable: the gradient
             is this rank's rows' part, in ``sinks.dtype``; the framework's gradient reduction over
             the context-parallel ranks (as for every replicated weight) sums it.  ``None``: none.
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``): every score ``s``
+            becomes ``c * tanh(s / c)`` before the softmax, inside the kernel (forward and backward);
+            ``None`` or 0: off, else a positive finite float.  Only kernels that soft-cap run it
+            (``math``, ``flash_attn``, ``fa4``): ``auto`` picks one; a named one that cannot raises.
         timeout: seconds a rank waits for a ring transfer (or the ranks' agreement) before it
             raises ``TimeoutError`` naming itself, the peer and the step; default
             :func:`striped_sp.engine.transport.ring_timeout` (``$STRIPED_SP_RING_TIMEOUT_S``, else 600).  CPU
@@ -565,7 +574,8 @@ def ring_attention(
                               cu_seqlens=cu_seqlens, window_size=window_size, deterministic=deterministic,
                               ulysses_size=ulysses_size, ulysses_groups=ulysses_groups,
                               grad_comm_dtype=grad_comm_dtype, timeout=timeout, stripe_size=stripe_size,
-                              doc_placement=doc_placement, sharded_by_documents=sharded_by_documents)
+                              doc_placement=doc_placement, sharded_by_documents=sharded_by_documents,
+                              softcap=softcap)
     return request(q, k, v, sinks=sinks)
 
 

@@ -18,6 +18,8 @@ as (``kernel_class``, ordered by :data:`AUTO_ORDER`).
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 
 import torch
 
@@ -29,7 +31,7 @@ from .torch_sdpa import GQA_NATIVE_ENV, TorchKernel, gqa_probe_enabled
 
 __all__ = ["Kernel", "KERNELS", "BACKENDS", "MathKernel", "TorchKernel", "FlashAttnKernel", "FA4Kernel",
            "accumulator_dtype", "available_backends", "resolve_kernel", "register", "AUTO_ORDER",
-           "gqa_probe_enabled", "GQA_NATIVE_ENV"]
+           "gqa_probe_enabled", "GQA_NATIVE_ENV", "softcap_backends", "check_softcap"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -76,6 +78,23 @@ def _reason(kernel: Kernel, device, dtype, head_dim, gqa: bool | None = None) ->
     return why
 
 
+def check_softcap(softcap) -> float:
+    """``softcap`` checked: ``None`` or 0 = off (0.0), else a positive finite float (an int is taken
+    as its float); ``ValueError`` naming the value and the rule otherwise."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap={softcap!r} must be None, 0 (off) or a positive finite float (the logit cap c: "
+                         f"every score s becomes c * tanh(s / c)), got {type(softcap).__name__}")
+    value = float(softcap)
+    if value == 0.0:
+        return 0.0
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap={softcap!r} must be None, 0 (off) or a positive finite float (the logit cap c: "
+                         "every score s becomes c * tanh(s / c))")
+    return value
+
+
 def _deterministic_reason(name: str, device: torch.device) -> str | None:
     """Why kernel ``name`` has no deterministic backward on ``device`` (``None``: it has one)."""
     return KERNELS[name].deterministic_reason(torch.device(device))
@@ -90,7 +109,8 @@ def _class_rank(kernel: Kernel, device, dtype, head_dim, varlen: bool | None) ->
 
 
 def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim=None,
-                   deterministic: bool = False, varlen: bool | None = None, gqa: bool | None = None) -> Kernel:
+                   deterministic: bool = False, varlen: bool | None = None, gqa: bool | None = None,
+                   softcap: float = 0.0) -> Kernel:
     """The kernel for ``backend`` on ``device``/``dtype``/``head_dim`` (an int, or ``(d, dv)`` for
     multi-latent attention); ``ValueError`` when unknown or unusable.
 
@@ -102,7 +122,10 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_
     every kernel is ranked by its class for packed calls, where cuDNN's run on the
     memory-efficient op).  ``gqa``: whether the kv heads are fewer than the query heads (``None``,
     unknown: a kernel with GQA rules of its own, FA4's SM90 MLA shapes, is judged as if they were).
-    On CUDA the choice and why are logged once.  ``deterministic``: bitwise-reproducible
+    ``softcap`` (a checked positive float; 0 = off): logit soft-capping, which only kernels whose
+    :meth:`~Kernel.softcap_unavailable_reason` is ``None`` apply (``auto`` passes the others over;
+    a named one that cannot is a ``ValueError`` naming those that can); the kernel returned is
+    :meth:`Kernel.with_softcap` of the choice.  On CUDA the choice and why are logged once.  ``deterministic``: bitwise-reproducible
     backward passes (the ring's own order is fixed; each kernel says whether and how).
     """
     device = torch.device(device)
@@ -115,6 +138,8 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_
                 why = kernel.deterministic_reason(device)
             if why is None and varlen is True:
                 why = kernel.varlen_unavailable_reason()
+            if why is None and softcap:
+                why = kernel.softcap_unavailable_reason()
             if why is None:
                 why = kernel.auto_reason(device, dtype, head_dim)
             if why is not None:
@@ -123,23 +148,34 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_
             ranked.append((_class_rank(kernel, device, dtype, head_dim, varlen), i, kernel))
         if not ranked:
             raise ValueError(f"no attention backend runs on device '{device}' with dtype {dtype}"
-                             + (" and a deterministic backward" if deterministic else ""))
+                             + (" and a deterministic backward" if deterministic else "")
+                             + (f" and softcap={softcap!r} (kernels that can soft-cap: {softcap_backends()}; "
+                                f"passed over: {'; '.join(passed)})" if softcap else ""))
         _, _, kernel = min(ranked, key=lambda r: r[:2])
         if device.type == "cuda":
             _say_choice(kernel, device, dtype, head_dim, varlen, passed)
-        return kernel.deterministic_variant() if deterministic else kernel
+        return (kernel.deterministic_variant() if deterministic else kernel).with_softcap(softcap)
     if backend not in KERNELS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {list(BACKENDS)}")
     kernel = KERNELS[backend]
     reason = _reason(kernel, device, dtype, head_dim, gqa)
     if reason is not None:
         raise ValueError(f"backend {backend!r} is not available: {reason}")
+    if softcap and kernel.softcap_unavailable_reason() is not None:
+        raise ValueError(f"softcap={softcap!r}: backend {backend!r} cannot soft-cap logits "
+                         f"({kernel.softcap_unavailable_reason()}); kernels that can: {softcap_backends()} "
+                         "(backend='auto' picks one that runs here)")
     if deterministic:
         reason = kernel.deterministic_reason(device)
         if reason is not None:
             raise ValueError(f"deterministic=True: {reason}")
-        return kernel.deterministic_variant()
-    return kernel
+        kernel = kernel.deterministic_variant()
+    return kernel.with_softcap(softcap)
+
+
+def softcap_backends() -> list[str]:
+    """Names of the kernels that apply logit soft-capping (wherever they run)."""
+    return [n for n, k in KERNELS.items() if k.softcap_unavailable_reason() is None]
 
 
 _SAID: set = set()  # the auto choices already logged: one line per choice and process, not per call

@@ -18,6 +18,12 @@ A causal call is square (``seq_q == seq_k``, diagonal kept), except the aligned 
 :attr:`Kernel.tensor_format` (``"bshd"``, or ``"bhsd"`` = ``[batch, heads, seq, head_dim]`` for
 PyTorch's SDPA ops): the ring converts once at entry and calls these (:mod:`striped_sp.engine.step`).
 
+Logit soft-capping (Gemma 2's ``attn_logit_softcapping``): every score ``s`` becomes
+``c * tanh(s / c)`` before the softmax.  It is elementwise on the scores, so only a kernel can apply
+it: a kernel that can says so (:meth:`Kernel.softcap_unavailable_reason` is ``None``) and
+:meth:`Kernel.with_softcap` gives the instance whose every call (dense, masked, varlen) applies
+``softcap`` (float; 0.0 = off), forward and backward.
+
 Packed documents and sliding windows add two entry points (:mod:`striped_sp.kernels.varlen`):
 
 ``forward_varlen(q, k, v, segments, scale, acc_out, acc_lse)`` / ``backward_varlen(dout, q, k, v, out, lse, segments, scale, dq, dk, dv)``
@@ -32,6 +38,8 @@ Packed documents and sliding windows add two entry points (:mod:`striped_sp.kern
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -91,6 +99,32 @@ class Kernel:
     #: ``out`` then has v's).  ``False``: the ring zero-pads to one head dim at entry and slices
     #: the output (:func:`striped_sp.ring_attention`)
     native_value_head_dim = False
+    #: the logit soft-cap ``c`` every call of this instance applies (``c * tanh(s / c)`` on every
+    #: score before the softmax); 0.0 = off.  Set only through :meth:`with_softcap`
+    softcap = 0.0
+
+    def softcap_unavailable_reason(self) -> str | None:
+        """``None`` when this kernel applies logit soft-capping inside its calls (forward and
+        backward), else why not (default: it cannot)."""
+        return "it has no logit soft-capping (its scores never leave the fused op)"
+
+    def with_softcap(self, softcap: float | None) -> "Kernel":
+        """This kernel with every call soft-capping its scores at ``softcap`` (``None`` / 0: itself,
+        uncapped); one instance per value, kept on the kernel, so plans keyed by it are reused.
+        ``ValueError`` where :meth:`softcap_unavailable_reason` says it cannot."""
+        if not softcap:
+            return self
+        why = self.softcap_unavailable_reason()
+        if why is not None:
+            raise ValueError(f"backend {self.name!r} cannot apply softcap={softcap!r}: {why}")
+        variants = self.__dict__.setdefault("_softcap_variants", {})
+        found = variants.get(float(softcap))
+        if found is None:
+            found = copy.copy(self)
+            found.__dict__.pop("_softcap_variants", None)
+            found.softcap = float(softcap)
+            variants[float(softcap)] = found
+        return found
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim=None) -> str | None:
         """``None`` when the kernel runs on ``device`` with ``dtype`` (and ``head_dim``: an int, or

@@ -236,7 +236,14 @@ class FA4Kernel(Kernel):
         return None
 
     def deterministic_variant(self):
-        return self if self.deterministic else _DETERMINISTIC
+        return self if self.deterministic else _DETERMINISTIC.with_softcap(self.softcap)
+
+    def softcap_unavailable_reason(self):
+        return None  # _flash_attn_fwd / _flash_attn_bwd take softcap=
+
+    def _cap(self) -> dict:
+        """``softcap=`` for FA4's calls when on (nothing when off: its defaults stay untouched)."""
+        return {"softcap": self.softcap} if self.softcap else {}
 
     def kernel_class(self, device, dtype, head_dim=None, varlen=False):
         return "fa4"
@@ -251,13 +258,13 @@ class FA4Kernel(Kernel):
     def forward(self, q, k, v, causal, scale):
         fwd, _ = self._functions()
         res = fwd(q, k, v, softmax_scale=scale, causal=causal, window_size_left=None, window_size_right=None,
-                  return_lse=True)
+                  return_lse=True, **self._cap())
         return res[0], res[1]  # lse [b, h, s] fp32, contiguous as allocated
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         _, bwd = self._functions()
         res = bwd(q, k, v, out, dout, lse.contiguous(), softmax_scale=scale, causal=causal, window_size_left=None,
-                  window_size_right=None, deterministic=self.deterministic)
+                  window_size_right=None, deterministic=self.deterministic, **self._cap())
         return res[0], res[1], res[2]
 
     def _local_elsewhere(self, q, v, wl, wr):
@@ -270,6 +277,10 @@ class FA4Kernel(Kernel):
                 and is_local(wl is None and wr == 0, wl, wr)):
             return None
         from .torch_sdpa import TorchKernel, flash_impl, flash_impl_reason
+
+        if self.softcap:
+            raise RuntimeError(f"FA4 runs no windowed or packed call at head dims (256, 256) on SM100, and PyTorch's "
+                               f"flash op that would run it has no softcap (softcap={self.softcap})")
 
         why = flash_impl_reason(flash_impl(), cap[0])
         if why is not None:
@@ -285,7 +296,7 @@ class FA4Kernel(Kernel):
         causal = wl is None and wr == 0
         res = fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                   softmax_scale=scale, causal=causal, window_size_left=wl, window_size_right=None if causal else wr,
-                  return_lse=True)
+                  return_lse=True, **self._cap())
         return res[0], res[1]
 
     def varlen_backward_op(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, wl, wr, scale):
@@ -297,7 +308,7 @@ class FA4Kernel(Kernel):
         causal = wl is None and wr == 0
         res = bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal, window_size_left=wl,
                   window_size_right=None if causal else wr, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                  max_seqlen_q=max_q, max_seqlen_k=max_k, deterministic=self.deterministic)
+                  max_seqlen_q=max_q, max_seqlen_k=max_k, deterministic=self.deterministic, **self._cap())
         return res[0], res[1], res[2]
 
 

@@ -105,7 +105,14 @@ class FlashAttnKernel(Kernel):
         return None
 
     def deterministic_variant(self):
-        return self if self.deterministic else _DETERMINISTIC
+        return self if self.deterministic else _DETERMINISTIC.with_softcap(self.softcap)
+
+    def softcap_unavailable_reason(self):
+        # softcap= arrived in flash-attn 2.6.0; older builds would drop the keyword (see below)
+        version = _installed_version("flash_attn", "flash-attn")
+        if version is not None and version < (2, 6):
+            return f"flash-attn {'.'.join(map(str, version))} has no softcap (flash-attn >= 2.6 has)"
+        return None
 
     def kernel_class(self, device, dtype, head_dim=None, varlen=False):
         return "fa2"
@@ -120,7 +127,7 @@ class FlashAttnKernel(Kernel):
         res = _call_with_supported_kwargs(
             self._module()._flash_attn_forward,
             q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            window_size_left=-1, window_size_right=-1, softcap=self.softcap, alibi_slopes=None,
             return_softmax=False,
         )
         # 2.6+: (out, lse, S_dmask, rng_state); earlier 2.x: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
@@ -133,7 +140,7 @@ class FlashAttnKernel(Kernel):
             self._module()._flash_attn_backward,
             dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
             dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            window_size_left=-1, window_size_right=-1, softcap=self.softcap, alibi_slopes=None,
             deterministic=self.deterministic, rng_state=_rng_state(q),
         )
         return dq, dk, dv
@@ -155,7 +162,7 @@ class FlashAttnKernel(Kernel):
             self._module()._flash_attn_varlen_forward,
             q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
             dropout_p=0.0, softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl,
-            window_size_right=wr, softcap=0.0, alibi_slopes=None, return_softmax=False,
+            window_size_right=wr, softcap=self.softcap, alibi_slopes=None, return_softmax=False,
         )
         # 2.6+: (out, lse [h, total_q], S_dmask, rng_state); earlier: lse at index 5
         return (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
@@ -168,7 +175,7 @@ class FlashAttnKernel(Kernel):
             dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
             softmax_scale=scale, causal=wl < 0 and wr == 0, window_size_left=wl, window_size_right=wr,
-            softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=_rng_state(q),
+            softcap=self.softcap, alibi_slopes=None, deterministic=self.deterministic, rng_state=_rng_state(q),
         )
         return dq, dk, dv
 
