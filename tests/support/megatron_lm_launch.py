@@ -55,7 +55,17 @@ def _plant_router_without_cp() -> None:
     router.Router.__init__ = __init__
 
 
-PLANTS = {"contiguous-batch": _plant_contiguous_batch, "router-without-cp": _plant_router_without_cp}
+def _plant_sink_grad_dropped() -> None:
+    """The attention sinks' gradient dropped (zeros) in the ring's backward."""
+    import torch
+
+    from striped_sp.engine import autograd
+
+    autograd.sink_grad = lambda dout, out, lse, sinks: torch.zeros(sinks.shape, dtype=lse.dtype, device=lse.device)
+
+
+PLANTS = {"contiguous-batch": _plant_contiguous_batch, "router-without-cp": _plant_router_without_cp,
+          "sink-grad-dropped": _plant_sink_grad_dropped}
 
 
 def main() -> None:
