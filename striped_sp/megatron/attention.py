@@ -54,7 +54,9 @@ class ContextParallelAttention(MegatronModule):
     kernel backend (``auto``, ``torch``, ``flash_attn``, ``math``); ``auto`` follows
     ``config.attention_backend`` (``--attention-backend``: flash -> flash_attn, fused -> torch,
     unfused/local -> math).  ``config.deterministic_mode`` asks for a reproducible backward; FP8
-    attention is refused.
+    attention is refused.  ``config.softmax_type`` ``learnable`` / ``off-by-one``: attention sinks,
+    ``softmax_offset`` held as megatron-core's ``DotProductAttention`` holds it (same name, shape,
+    init and sharded state dict) and folded into the ring's lse once per row.
     """
 
     def __init__(
