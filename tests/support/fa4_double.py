@@ -14,6 +14,8 @@ never from ``striped_sp``'s kernel:
 * windows: ``causal`` sets the right side to 0; ``wl + wr < 0`` opens both sides; ``(None, 0)`` is
   causal; ``None`` is an open side; masks bottom-right aligned (query ``i`` of a segment of ``lq``
   queries and ``lk`` keys sees key ``j`` when ``i + lk - lq - wl <= j <= i + lk - lq + wr``);
+* ``softcap`` (fwd default ``None``, bwd ``0.0``): every scaled score ``x`` becomes ``c * tanh(x / c)``
+  before the softmax, and the backward chains ``1 - tanh(x / c)^2``;
 * lse float32 ``[b, h, s]`` dense, ``[h, total_q]`` varlen; a row that sees no key gets lse ``-inf``
   and output 0; GQA: query head ``i`` reads kv head ``i // (h / kv_h)``; ``v`` may have its own
   head dim (out ``[.., h, dv]``);
@@ -99,7 +101,7 @@ class FA4Double:
         assert d % 8 == 0 and dv % 8 == 0, "head_dim must be divisible by 8"
         if self.arch == 100:
             assert (d, dv) in ((192, 128), (256, 256)) or (d <= 128 and dv <= 128), f"SM100 head dims ({d}, {dv})"
-        assert a["softcap"] in (None, 0.0), "the ring never caps scores"
+        assert a["softcap"] is None or (isinstance(a["softcap"], float) and a["softcap"] >= 0), "softcap float"
         if varlen:
             cq, ck = a["cu_seqlens_q"], a["cu_seqlens_k"]
             assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3
@@ -113,6 +115,11 @@ class FA4Double:
         else:
             assert a["cu_seqlens_q"] is None and a["cu_seqlens_k"] is None
             assert q.dim() == 4 and k.shape[:1] == q.shape[:1] and k.shape[:3] == v.shape[:3], "dense shapes"
+
+    @staticmethod
+    def _capped(scores: torch.Tensor, softcap) -> torch.Tensor:
+        """Upstream's ``softcap``: every scaled score ``x`` becomes ``c * tanh(x / c)`` (``None`` / 0: off)."""
+        return softcap * torch.tanh(scores / softcap) if softcap else scores
 
     @staticmethod
     def _window(causal, wl, wr):
@@ -167,7 +174,7 @@ class FA4Double:
         q, k, v, _ = self._flat(a, varlen)
         scale = a["softmax_scale"] if a["softmax_scale"] is not None else q.size(-1) ** -0.5
         vis = self._visible(a, varlen, causal, wl, wr)
-        sc = torch.einsum("qhd,khd->hqk", q, k) * scale
+        sc = self._capped(torch.einsum("qhd,khd->hqk", q, k) * scale, a["softcap"])
         sc = sc.masked_fill(~vis, float("-inf"))
         lse = torch.logsumexp(sc, -1)  # [h, rows]; -inf for a row that sees no key
         p = torch.exp(sc - lse.unsqueeze(-1)).nan_to_num(0.0)
@@ -209,12 +216,14 @@ class FA4Double:
         lse = a["lse"].double() if varlen else a["lse"].double().transpose(0, 1).reshape(h, -1)
         scale = a["softmax_scale"] if a["softmax_scale"] is not None else qf.size(-1) ** -0.5
         vis = self._visible(a, varlen, causal, wl, wr)
-        sc = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+        sc = self._capped(torch.einsum("qhd,khd->hqk", qf, kf) * scale, a["softcap"])
         p = torch.exp(sc.masked_fill(~vis, float("-inf")) - lse.unsqueeze(-1)).nan_to_num(0.0)
         dvx = torch.einsum("hqk,qhd->khd", p, do)
         dp = torch.einsum("qhd,khd->hqk", do, vf)
         delta = (do * o).sum(-1).transpose(0, 1).unsqueeze(-1)  # [h, q, 1]
         ds = p * (dp - delta)
+        if a["softcap"]:  # upstream: the scaled score x becomes c * tanh(x / c); dx = ds * (1 - tanh^2)
+            ds = ds * (1 - (sc / a["softcap"]) ** 2)
         dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
         dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
         kvh = k.size(-2)

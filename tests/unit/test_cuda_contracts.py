@@ -307,8 +307,9 @@ def test_positional_scale_is_caught(cuda_branch):
 
 # -- flash-attn: documented private signatures of 2.5, 2.6 and 2.7+ -------------------------
 
-def _check_fa_args(b: dict, varlen: bool, version: str):
-    """Per-argument contract of flash-attn's private functions (GQA native: kv heads divide q heads)."""
+def _check_fa_args(b: dict, varlen: bool, version: str, softcap: float = 0.0):
+    """Per-argument contract of flash-attn's private functions (GQA native: kv heads divide q heads);
+    ``softcap``: the value every call must carry (2.6+)."""
     q, k, v = b["q"], b["k"], b["v"]
     hdim = 1 if varlen else 2
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype == v.dtype, "half inputs"
@@ -318,7 +319,7 @@ def _check_fa_args(b: dict, varlen: bool, version: str):
     assert k.shape == v.shape and k.size(-1) == q.size(-1) and q.size(hdim) % k.size(hdim) == 0, "kv shape"
     assert b["dropout_p"] == 0.0 and b["softmax_scale"] == SCALE and b["alibi_slopes"] is None
     if "softcap" in b:
-        assert b["softcap"] == 0.0
+        assert isinstance(b["softcap"], float) and b["softcap"] == softcap, (b["softcap"], softcap)
     if version == "2.5" or version == "2.6":
         assert isinstance(b["window_size"], tuple) and len(b["window_size"]) == 2
         wl, wr = b["window_size"]
@@ -376,9 +377,10 @@ def _fa_compute_forward(b, varlen, wl, wr):
     return torch.cat(outs), torch.cat(lses, 1)
 
 
-def _fa_module(version: str, calls: list):
+def _fa_module(version: str, calls: list, softcap: float = 0.0):
     """flash_attn.flash_attn_interface of ``version`` ("2.5", "2.6", "2.7"): functions with the
-    documented parameter lists, bound by name, arguments checked, values from the math kernel."""
+    documented parameter lists, bound by name, arguments checked (``softcap``: the cap every call
+    must pass; the values stay uncapped: a plumbing check), values from the math kernel."""
     win = ["window_size"] if version in ("2.5", "2.6") else ["window_size_left", "window_size_right"]
     soft = [] if version == "2.5" else ["softcap"]
     fwd_p = ["q", "k", "v", "dropout_p", "softmax_scale", "causal", *win, *soft, "alibi_slopes", "return_softmax"]
@@ -400,7 +402,7 @@ def _fa_module(version: str, calls: list):
             b.apply_defaults()
             b = dict(b.arguments)
             calls.append((name, b))
-            wl, wr = _check_fa_args(b, varlen, version)
+            wl, wr = _check_fa_args(b, varlen, version, softcap)
             if not backward:
                 out, lse = _fa_compute_forward(b, varlen, wl, wr)
                 out = out.to(b["q"].dtype)
@@ -443,12 +445,12 @@ def _fa_module(version: str, calls: list):
 
 @pytest.fixture
 def flash_attn(monkeypatch):
-    def install(version):
+    def install(version, softcap=0.0):
         calls = []
         pkg = types.ModuleType("flash_attn")
         pkg.__version__ = {"2.5": "2.5.9.post1", "2.6": "2.6.3", "2.7": "2.7.4.post1"}[version]
         monkeypatch.setitem(sys.modules, "flash_attn", pkg)
-        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", _fa_module(version, calls))
+        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", _fa_module(version, calls, softcap))
         return calls
 
     return install
@@ -492,6 +494,36 @@ def test_flash_attn_varlen_contracts(flash_attn, version):
     assert isclose_rel(acc, want_acc) < 4e-3 and isclose_rel(lse, want_lse) < 1e-6
     for got, want in zip(grads, want_grads):
         assert isclose_rel(got, want) < 4e-3
+
+
+@pytest.mark.parametrize("version", ["2.6", "2.7"])
+def test_flash_attn_softcap_reaches_every_call(flash_attn, version):
+    """A soft-capped flash-attn 2 kernel passes ``softcap`` (a float) to its dense and varlen
+    forward and backward calls, by the documented names; flash-attn 2.5 has none: refused by name."""
+    from striped_sp.kernels.segments import Segments
+
+    calls = flash_attn(version, softcap=2.5)
+    kernel = FlashAttnKernel().with_softcap(2.5)
+    q, k, v, do = _inputs(8, 2, 64, torch.bfloat16, seed=3)
+    _run_blocks(kernel, q.contiguous(), k.contiguous(), v.contiguous(), do, torch.bfloat16)
+    segs = Segments(torch.tensor([0, 7, 19]), torch.tensor([0, 7, 19]), torch.tensor([-1, 5]), torch.tensor([0, 0]))
+    qv, kv = q[:1, :19].contiguous(), k[:1, :19].contiguous()
+    acc, lse = torch.zeros(1, 19, 8, 64), torch.full((1, 8, 19), float("-inf"))
+    kernel.forward_varlen(qv, kv, kv, segs, SCALE, acc, lse)
+    grads = [torch.zeros(t.shape) for t in (qv, kv, kv)]
+    kernel.backward_varlen(do[:1, :19].contiguous(), qv, kv, kv, acc.to(qv.dtype), lse, segs, SCALE, *grads)
+    names = {c[0] for c in calls}
+    assert names == {"_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+                     "_flash_attn_varlen_backward"}, names
+    assert all(c[1]["softcap"] == 2.5 for c in calls)
+
+
+def test_flash_attn_2_5_cannot_softcap(flash_attn):
+    flash_attn("2.5")
+    why = FlashAttnKernel().softcap_unavailable_reason()
+    assert why is not None and "2.5" in why and ">= 2.6" in why
+    with pytest.raises(ValueError, match=r"backend 'flash_attn' cannot apply softcap=2.5"):
+        FlashAttnKernel().with_softcap(2.5)
 
 
 def test_flash_attn_aligned_strict_call(flash_attn):

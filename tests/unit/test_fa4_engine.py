@@ -181,3 +181,37 @@ def test_the_double_catches(fa4, mutant, double_args, n, args, strict):
         got = _ring(q, k, v, do, n, mutant(), strict_block=strict, **args)
     errs = _errors(got, _reference(q, k, v, do, args))
     assert max(errs.values()) > 1e-3, errs
+
+
+def _capped_reference(q, k, v, do, cap, cu=None, window=None):
+    """float64 attention over the whole row with every scaled score ``x`` capped to ``cap * tanh(x / cap)``
+    (written here, not from the engine), -> (out, dq, dk, dv)."""
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    h, s = q.size(2), q.size(1)
+    kx, vx = (t.repeat_interleave(h // t.size(2), dim=2) for t in (kr, vr))
+    sc = torch.einsum("bqhd,bkhd->bhqk", qr, kx) * q.size(-1) ** -0.5
+    sc = cap * torch.tanh(sc / cap)
+    pos = torch.arange(s)
+    seen = pos[None, :] <= pos[:, None]
+    if window is not None:
+        seen &= pos[None, :] >= pos[:, None] - window[0]
+    if cu is not None:
+        doc = torch.searchsorted(torch.tensor(cu[1:]), pos, right=True)
+        seen &= doc[:, None] == doc[None, :]
+    out = torch.einsum("bhqk,bkhd->bqhd", sc.masked_fill(~seen, float("-inf")).softmax(-1), vx)
+    (out * do.double()).sum().backward()
+    return out.detach(), qr.grad, kr.grad, vr.grad
+
+
+@pytest.mark.parametrize("n,per_rank,args", [CASES[0], CASES[11]], ids=_ids)
+def test_engine_on_fa4_softcap(fa4, n, per_rank, args):
+    """softcap reaches every FA4 call (forward and backward, dense and varlen) and the result is the
+    capped attention's, to float32 precision of float64."""
+    double = fa4(fp32=True)
+    (q, k, v, do), args = _case_inputs(n, per_rank, args, torch.float32, seed=n * 7 + per_rank)
+    q, k = 3 * q, 3 * k  # scores past the cap
+    errs = _errors(_simulate(q, k, v, do, n, {**args, "softcap": 2.5}),
+                   _capped_reference(q, k, v, do, 2.5, args.get("cu_seqlens"), args.get("window_size")))
+    assert max(errs.values()) < 2e-5, errs
+    assert {c[0] for c in double.calls} == {"_flash_attn_fwd", "_flash_attn_bwd"}
+    assert all(c[1]["softcap"] == 2.5 for c in double.calls), [c[1]["softcap"] for c in double.calls]

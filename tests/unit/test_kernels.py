@@ -120,14 +120,16 @@ def _install_fake_flash_attn(monkeypatch, old_api):
         def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                                 softcap, alibi_slopes, return_softmax):
             seen["window_size"] = (window_size_left, window_size_right)
-            out, lse = math.forward(q, k, v, causal, softmax_scale)
+            seen["softcap"] = softcap
+            out, lse = math.with_softcap(softcap).forward(q, k, v, causal, softmax_scale)
             return out, lse, None, None
 
         def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                                  window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                                  rng_state=None):
             seen["deterministic"] = deterministic
-            g = math.backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+            seen["softcap_bwd"] = softcap
+            g = math.with_softcap(softcap).backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
             for buf, val in zip((dq, dk, dv), g):
                 buf.copy_(val)
 
@@ -155,6 +157,20 @@ def test_flash_attn_adapter_plumbing(monkeypatch, old_api):
         assert seen["deterministic"] is False
         FlashAttnKernel(deterministic=True).backward(dout, q, k, v, out, lse, True, SCALE)
         assert seen["deterministic"] is True
+
+
+def test_flash_attn_softcap_reaches_the_kernel(monkeypatch):
+    """``with_softcap(c)``: flash-attn 2's forward and backward get ``softcap=c`` (0.0 when off)."""
+    seen = _install_fake_flash_attn(monkeypatch, old_api=False)
+    q, k, v, dout = _inputs()
+    out, lse = FlashAttnKernel().forward(q, k, v, True, SCALE)
+    assert seen["softcap"] == 0.0
+    kernel = FlashAttnKernel().with_softcap(2.5)
+    assert kernel.softcap == 2.5 and kernel.softcap_unavailable_reason() is None
+    out, lse = kernel.forward(q, k, v, True, SCALE)
+    kernel.backward(dout, q, k, v, out, lse, True, SCALE)
+    assert seen["softcap"] == 2.5 and seen["softcap_bwd"] == 2.5
+    assert kernel.deterministic_variant().softcap == 2.5  # --deterministic-mode keeps the cap
 
 
 def _install_custom_op_flash_attn(monkeypatch):

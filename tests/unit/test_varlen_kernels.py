@@ -141,17 +141,19 @@ def _flash_window(wl, wr, causal, max_seqlen_k):
     return wl, wr
 
 
-def _install_fake_varlen_flash_attn(monkeypatch, calls):
+def _install_fake_varlen_flash_attn(monkeypatch, calls, caps=None):
     """flash_attn.flash_attn_interface with the documented varlen signatures (2.6+), computed
-    per segment from the documented semantics, including flash-attn's window rewriting: checks
-    our plumbing, not flash-attn."""
-    math = MathKernel()
+    per segment from the documented semantics, including flash-attn's window rewriting and
+    ``softcap`` (recorded in ``caps``, forward and backward): checks our plumbing, not flash-attn."""
+    caps = [] if caps is None else caps
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                    alibi_slopes=None, return_softmax=False, block_table=None):
         assert cu_seqlens_q.dtype == torch.int32 and q.dim() == 3
         calls.append((window_size_left, window_size_right, causal))
+        caps.append(("fwd", softcap))
+        math = MathKernel().with_softcap(softcap)
         outs, lses = [], []
         for t in range(cu_seqlens_q.numel() - 1):
             a, b = int(cu_seqlens_q[t]), int(cu_seqlens_q[t + 1])
@@ -168,6 +170,8 @@ def _install_fake_varlen_flash_attn(monkeypatch, calls):
                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                                     window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                                     rng_state=None):
+        caps.append(("bwd", softcap))
+        math = MathKernel().with_softcap(softcap)
         for t in range(cu_seqlens_q.numel() - 1):
             a, b = int(cu_seqlens_q[t]), int(cu_seqlens_q[t + 1])
             c, d = int(cu_seqlens_k[t]), int(cu_seqlens_k[t + 1])
@@ -200,6 +204,21 @@ def test_flash_attn_varlen_adapter_plumbing(monkeypatch):
     assert all(wl < 0 for wl, _, _ in calls)
     assert all(causal == (wl < 0 and wr == 0) for wl, wr, causal in calls)
     _check_against_reference(q, k, v, dout, segs, got)
+
+
+def test_flash_attn_varlen_softcap_reaches_the_kernel(monkeypatch):
+    """A soft-capped flash-attn 2 kernel passes ``softcap`` to every varlen call, forward and
+    backward, and equals the capped math kernel's schedule on the same segments."""
+    calls, caps = [], []
+    _install_fake_varlen_flash_attn(monkeypatch, calls, caps)
+    segs = _random_segments(random.Random(7), 30)
+    nq, nk = _sizes(segs)
+    q, dout = 3 * torch.randn(1, nq, 4, 8), torch.randn(1, nq, 4, 8)
+    k, v = 3 * torch.randn(1, nk, 2, 8), torch.randn(1, nk, 2, 8)
+    got = _run(FlashAttnKernel().with_softcap(2.5), q, k, v, dout, segs)
+    assert caps and {c for _, c in caps} == {2.5} and {w for w, _ in caps} == {"fwd", "bwd"}, caps
+    want = _run(MathKernel().with_softcap(2.5), q, k, v, dout, segs)
+    assert max(_err(a, b) for a, b in zip(got, want)) < 1e-5
 
 
 def test_flash_attn_varlen_spans(monkeypatch):
