@@ -90,7 +90,7 @@ test-megatron: $(MVENV)/.installed
 # install_torch does (PyTorch's CPU index, else the registry). CORE_DEPS: what those tests import
 # besides torch.
 CORE_TESTS ?= tests/unit tests/dist -m "not integration and not gpu"
-CORE_DEPS ?= "pytest>=7" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
+CORE_DEPS ?= "pytest>=7" "setuptools>=70.1" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
 TORCH_VERSION ?= $(patsubst torch==%,%,$(TORCH))
 TVENV := .venv-torch-$(TORCH_VERSION)
 
