@@ -18,7 +18,9 @@ model's extra keyword arguments through to every attention layer):
   ``window_size=(W - 1, 0)``, as transformers' own ``sliding_window_overlay`` mask;
 * ``s_aux`` (attention sinks, gpt-oss: one logit per query head with no value): folded once into
   the ring's merged log-sum-exp (``sinks=`` of :class:`~striped_sp.engine.request.RingRequest`);
-* ``softcap`` (logit soft-capping): refused.
+* ``softcap`` (logit soft-capping, Gemma 2's ``attn_logit_softcapping``; ``None``: off): applied
+  inside the kernel (``softcap=`` of :class:`~striped_sp.engine.request.RingRequest`); a named
+  backend that cannot soft-cap is a ``ValueError`` naming it and the kernels that can.
 
 The active settings are process-wide (one context-parallel configuration per process), as
 transformers' registry itself is.
@@ -51,16 +53,16 @@ class _Settings:
     backend: str
     check_positions: bool
     ulysses_groups: Any = None
-    #: (causal, scaling, window) -> the layer kind's RingRequest, built on first use
+    #: (causal, scaling, window, softcap) -> the layer kind's RingRequest, built on first use
     requests: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def request(self, causal: bool, scaling, window) -> RingRequest:
-        key = (causal, scaling, window)
+    def request(self, causal: bool, scaling, window, softcap=None) -> RingRequest:
+        key = (causal, scaling, window, softcap)
         found = self.requests.get(key)
         if found is None:
             found = self.requests[key] = RingRequest(
                 self.group, layout=self.layout, causal=causal, softmax_scale=scaling, backend=self.backend,
-                window_size=window, ulysses_groups=self.ulysses_groups,
+                window_size=window, ulysses_groups=self.ulysses_groups, softcap=softcap,
                 sharded_by_documents=True)  # shard_batch shards by documents (position_ids checked)
         return found
 
@@ -223,8 +225,6 @@ def hf_attention_forward(
     if inside_gathered_mixer() is not None:
         raise ValueError(f"{inside_gathered_mixer()}: an attention inside a token mixer that runs on the gathered "
                          "sequence cannot run the ring; train this model with sequence_parallel_size=1")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("softcap is not supported by the ring engine yet: use a model without it")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     # with $STRIPED_SP_CHECK_RANKS=1 / always every rank learns of another's failed check (one small
     # exchange per call), instead of waiting for it in the ring
@@ -238,7 +238,7 @@ def hf_attention_forward(
         position_ids = kwargs.get("position_ids")
         if settings.check_positions and position_ids is not None and getattr(module, "layer_idx", 0) == 0:
             _check_positions(position_ids, query.size(2), settings, cu_seqlens)
-        request = settings.request(causal, scaling, window)
+        request = settings.request(causal, scaling, window, kwargs.get("softcap"))
         if cu_seqlens is not None:
             request = request.derive(cu_seqlens=cu_seqlens)
     # s_aux: the attention sinks (gpt-oss), one logit per query head, folded once into the merged lse
