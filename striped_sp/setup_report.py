@@ -50,13 +50,13 @@ def stripe_policy(layout_key: str) -> str:
 
 
 def kernel_choice(backend: str, device: torch.device, dtype: torch.dtype, head_dim=None,
-                  gqa: bool | None = None) -> tuple[str, str]:
+                  gqa: bool | None = None, softcap: float = 0.0) -> tuple[str, str]:
     """``(kernel name, why)`` for ``backend`` on ``device`` / ``dtype`` / ``head_dim`` (``gqa``:
     whether the model has fewer kv heads than query heads, ``None``: unknown): the kernel
     :func:`striped_sp.kernels.resolve_kernel` picks, as the ring's calls resolve it, and, for
     ``auto``, its class and the kernels passed over with their reasons."""
     device = torch.device(device)
-    kernel = resolve_kernel(backend, device, dtype, head_dim, gqa=gqa)
+    kernel = resolve_kernel(backend, device, dtype, head_dim, gqa=gqa, softcap=softcap)  # softcap: a kernel that caps
     if backend != "auto":
         return kernel.name, f"backend {backend!r} as set"
     runs = set(available_backends(device, dtype, head_dim, gqa=gqa))
@@ -68,6 +68,9 @@ def kernel_choice(backend: str, device: torch.device, dtype: torch.dtype, head_d
                 or "not for these head dims")
 
     passed = [f"{name}: {why_not(other)}" for name, other in KERNELS.items() if name not in runs]
+    if softcap:
+        passed += [f"{name}: {other.softcap_unavailable_reason()}" for name, other in KERNELS.items()
+                   if name in runs and name != kernel.name and other.softcap_unavailable_reason() is not None]
     cls = kernel.kernel_class(device, dtype, head_dim, True)
     why = f"backend auto: the fastest class that runs ({cls})"
     return kernel.name, why + (f"; passed over {'; '.join(passed)}" if passed else "")
@@ -84,11 +87,11 @@ def cost_model_state(kernel_name: str, device_type: str, how_to_calibrate: str) 
 
 
 def setup_line(route: str, layout_key: str, cp_desc: str, backend: str, device, dtype, head_dim,
-               how_to_calibrate: str, gqa: bool | None = None) -> str:
+               how_to_calibrate: str, gqa: bool | None = None, softcap: float = 0.0) -> str:
     """One line: ``striped_sp on (route): layout ...; CP ...; kernel ... (why); stripes ...; cost model ...``."""
     device = torch.device(device)
     try:
-        kernel, why = kernel_choice(backend, device, dtype, head_dim, gqa)
+        kernel, why = kernel_choice(backend, device, dtype, head_dim, gqa, softcap)
     except ValueError as err:  # the first call will refuse it, naming the setting
         kernel, why = "none", str(err)
     return (f"striped_sp on ({route}): layout {layout_key}; {cp_desc}; kernel {kernel} on {device.type} "

@@ -51,6 +51,16 @@ def _gqa(model) -> bool | None:
     return kv < heads if isinstance(heads, int) and isinstance(kv, int) else None
 
 
+def attention_extras(model) -> tuple[bool, float]:
+    """``(sinks, softcap)`` of ``model``'s attention: whether a module holds learnable sinks (gpt-oss'
+    ``sinks`` parameter) and the config's ``attn_logit_softcapping`` (Gemma 2; 0.0 when off)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(text, "attn_logit_softcapping", None)
+    sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+    return sinks, float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap else 0.0
+
+
 def setup_line(model, settings: ContextParallelSettings, groups, config: dict) -> str:
     """The line for ``model`` adapted with ``settings`` over ``groups`` (:class:`.SequenceParallelGroups`)."""
     from ..setup_report import setup_line as line
@@ -61,10 +71,12 @@ def setup_line(model, settings: ContextParallelSettings, groups, config: dict) -
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None and param.device.type != "meta" else (
         "cuda" if torch.cuda.is_available() else "cpu")
+    sinks, softcap = attention_extras(model)
+    extras = ("; sinks on" if sinks else "") + (f"; softcap {softcap}" if softcap else "")
     return line(f"DeepSpeed, context_parallel.algo {settings.algo}", settings.layout,
                 f"sequence_parallel_size {sp} (ranks {ranks} of {dist.get_world_size()}, {groups.dp_size} "
                 f"data-parallel replicas{split})", settings.backend, device, _dtype(model, config),
-                _head_dim(model), '"calibrate": true measures it', gqa=_gqa(model))
+                _head_dim(model), '"calibrate": true measures it', gqa=_gqa(model), softcap=softcap) + extras
 
 
 def _say(message: str) -> None:

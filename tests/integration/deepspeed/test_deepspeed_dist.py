@@ -214,8 +214,9 @@ def _case_hf_unsharded_positions_rejected():
         model(input_ids=ids)
 
 
-def _case_hf_softcap_rejected():
-    """Soft-capping stays refused (sliding windows are accepted: tests/integration/deepspeed/test_deepspeed_packed.py)."""
+def _case_hf_softcap_kernel_refused():
+    """Gemma 2's soft-capping on a backend that cannot soft-cap (PyTorch's SDPA ops) is refused naming the
+    kernel and those that can (on the kernels that can: tests/integration/deepspeed/test_hf_softcap.py)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from striped_sp import positions
@@ -223,11 +224,12 @@ def _case_hf_softcap_rejected():
 
     cfg = Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1, head_dim=8,
                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, attn_logit_softcapping=50.0)
-    model = enable_hf_attention(Gemma2ForCausalLM(cfg), _STATE["group"], "striped")
+    model = enable_hf_attention(Gemma2ForCausalLM(cfg), _STATE["group"], "striped", backend="torch")
     n = SEQ // WORLD
     ids = _batch()["input_ids"][:, :n]
     pos = positions(SEQ, WORLD, dist.get_rank(_STATE["group"])).expand(ids.size(0), -1)
-    with pytest.raises(ValueError, match="softcap is not supported"):
+    with pytest.raises(ValueError, match=r"softcap=50.0: backend 'torch' cannot soft-cap logits .*kernels that can: "
+                                         r"\['flash_attn', 'fa4', 'math'\]"):
         model(input_ids=ids, position_ids=pos)
 
 
@@ -438,7 +440,7 @@ CASES += [(f"hf_{lay}", _case_hf_model, (lay,)) for lay in ("striped", "zigzag",
 CASES += [("hf_striped_mqa_3_heads", _case_hf_model, ("striped", 3, 1))]
 CASES += [("hf_granite_scale", _case_hf_model, ("zigzag", 4, 2, "granite"))]
 CASES += [("hf_positions", _case_hf_unsharded_positions_rejected, ())]
-CASES += [("hf_softcap", _case_hf_softcap_rejected, ())]
+CASES += [("hf_softcap_kernel", _case_hf_softcap_kernel_refused, ())]
 CASES += [("hf_padding_mask", _case_hf_padding_mask_rejected, ())]
 CASES += [("engine_sp1", _case_engine_sp1, ())]  # before any SP=2 engine (DeepSpeed keeps groups.mpu)
 CASES += [(f"engine_sp2_{algo}", _case_engine_sp2, (algo,)) for algo in ("striped", "zigzag", "ring")]
