@@ -290,8 +290,8 @@ def _case_errors():
     class Layer(torch.nn.Module):
         layer_idx, is_causal = 1, True
 
-    with pytest.raises(ValueError, match="softcap"):
-        hf_attention_forward(Layer(), q, kv, kv, None, softcap=30.0)
+    with pytest.raises(ValueError, match=r"softcap=-30.0 must be None, 0 \(off\) or a positive finite float"):
+        hf_attention_forward(Layer(), q, kv, kv, None, softcap=-30.0)
     with pytest.raises(ValueError, match=r"sinks has shape \(3,\): expected \[4\]"):  # s_aux: one per query head
         hf_attention_forward(Layer(), q, kv, kv, None, s_aux=torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="sliding_window=4 on a non-causal"):
