@@ -42,6 +42,12 @@ def _case(kind, layout, cap=50.0):
 
     n, rank = dist.get_world_size(), dist.get_rank()
     model = _model(attn_logit_softcapping=cap)
+    if layout == "hint":  # the DeepSpeed routes' striped default: the window hint from Gemma 2's layer_types
+        from striped_sp.deepspeed.config import ContextParallelSettings
+        from striped_sp.deepspeed.window_hint import with_model_window
+
+        layout = with_model_window(ContextParallelSettings(sequence_parallel_size=n), model).layout
+        assert layout == "striped:window=8,global_every=2", layout
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
     full = _dense() if kind == "dense" else _flattened()
@@ -71,7 +77,8 @@ CASES2 = [(f"{kind}_{lay}", _case, (kind, lay)) for kind in ("dense", "packed")
 CASES2 += [("cap_matters", _case_no_cap_differs, ()), ("cap0.5_dense_striped", _case, ("dense", "striped", 0.5)),
            ("cap0.5_packed_zigzag", _case, ("packed", "zigzag", 0.5))]
 CASES4 = [("dense_striped", _case, ("dense", "striped")), ("packed_striped", _case, ("packed", "striped")),
-          ("cap0.5_packed_striped", _case, ("packed", "striped", 0.5))]
+          ("cap0.5_packed_striped", _case, ("packed", "striped", 0.5)),
+          ("cap0.5_packed_hint", _case, ("packed", "hint", 0.5)), ("dense_hint", _case, ("dense", "hint"))]
 
 
 @pytest.fixture(scope="module")
