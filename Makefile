@@ -85,11 +85,12 @@ test-megatron: $(MVENV)/.installed
 	$(MVENV)/bin/python -m pytest -q tests/integration/megatron
 
 # `make test-torch TORCH_VERSION=2.11.0` (or TORCH=2.11.0): the core tests (CORE_TESTS: the engine,
-# the plans and the kernels on CPU, no Megatron / DeepSpeed / transformers) against another torch
+# the plans and the kernels on CPU, no Megatron / DeepSpeed / transformers; test_docs.py checks
+# Megatron-LM flags, so it is left to `make test`) against another torch
 # release, in its own Python 3.11 environment (.venv-torch-<version>), torch installed as
 # install_torch does (PyTorch's CPU index, else the registry). CORE_DEPS: what those tests import
 # besides torch.
-CORE_TESTS ?= tests/unit tests/dist -m "not integration and not gpu"
+CORE_TESTS ?= tests/unit tests/dist --ignore=tests/dist/test_docs.py -m "not integration and not gpu"
 CORE_DEPS ?= "pytest>=7" "setuptools>=70.1" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
 TORCH_VERSION ?= $(patsubst torch==%,%,$(TORCH))
 TVENV := .venv-torch-$(TORCH_VERSION)
