@@ -42,6 +42,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+# torch 2.11 has no ``all_gather_single`` (newer releases add it); ``all_gather_into_tensor`` is the
+# same flat gather there
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 from .transport import _PEER_GONE, ring_timeout
 
 __all__ = ["CHECK_RANKS_ENV", "CACHE_SIZE", "check_ranks_enabled", "per_call_checks_enabled", "agree", "agreeing",
@@ -112,7 +116,7 @@ def _all_gather(mine: torch.Tensor, group, timeout: datetime.timedelta | None, w
     n = dist.get_world_size(group)
     every = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)  # gloo: concatenated only
     try:
-        work = dist.all_gather_single(every, mine.reshape(-1), group=group, async_op=True)
+        work = _all_gather_flat(every, mine.reshape(-1), group=group, async_op=True)
         if timeout is not None and mine.device.type == "cpu":
             work.wait(timeout=timeout)
         else:

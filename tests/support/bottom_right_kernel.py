@@ -30,13 +30,12 @@ class BottomRightMathKernel(MathKernel):
     def causal_alignment(self, device, dtype, head_dim=None):
         return "bottom_right"
 
-    @staticmethod
-    def _scores(q, k, causal, scale, mask=None):
+    def _scores(self, q, k, causal, scale, mask=None):
         if causal:
             sq, sk = q.size(1), k.size(1)
             i, j = torch.arange(sq).unsqueeze(1), torch.arange(sk).unsqueeze(0)
             mask, causal = j <= i + sk - sq, False
-        return MathKernel._scores(q, k, causal, scale, mask)
+        return super()._scores(q, k, causal, scale, mask)
 
     def forward(self, q, k, v, causal, scale, mask=None):
         out, lse = super().forward(q, k, v, causal, scale, mask)
