@@ -99,6 +99,7 @@ def _fake_gpu(monkeypatch):
         fa4 = install_fa4_shapes(monkeypatch, arch=arch)
         for kernel in (kernels.KERNELS["fa4"], kernels.KERNELS["fa4"].deterministic_variant()):
             monkeypatch.setattr(kernel, "_fns", None)  # the interface is read again: this stand-in's
+            monkeypatch.setattr(kernel, "_softcap_variants", {}, raising=False)  # capped copies: likewise
         return fa4, KernelCalls(monkeypatch)
 
     return make
@@ -109,13 +110,13 @@ def gpu(monkeypatch):
     return _fake_gpu(monkeypatch)
 
 
-def _step(args, shape, plans=None):
+def _step(args, shape, plans=None, sinks=None):
     h, kvh, d, dv = shape
     q = torch.empty(1, SEQ, h, d, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, SEQ, kvh, d, dtype=torch.bfloat16, device="meta")
     v = torch.empty(1, SEQ, kvh, dv, dtype=torch.bfloat16, device="meta")
     do = torch.empty(1, SEQ, h, dv, dtype=torch.bfloat16, device="meta")
-    return local.simulate(q, k, v, N, do, plans=plans, **args)
+    return local.simulate(q, k, v, N, do, plans=plans, sinks=sinks, **args)
 
 
 def training_step_counts(fake_gpu, arch: int, layout: str, row: str, shape: str) -> dict:
@@ -205,3 +206,26 @@ def _report() -> None:
 
 if __name__ == "__main__":
     _report()
+
+
+@pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
+def test_sinks_and_softcap_step_runs_on_fa4(gpu, arch):
+    """Issue 47 on the CUDA path: one training step with sinks (``[h]`` bf16, folded into the merged
+    lse by the engine, no kernel argument) and one with soft-capping (FA4's own ``softcap``), packed
+    GQA rows with a window: every call on FA4; the cap reaches every forward and backward call; the
+    sink case passes no cap; the batch's next layer copies and synchronises nothing."""
+    args, dims = _args("striped", "packed-window"), SHAPES["gqa"]
+    fa4, calls = gpu(arch)
+    sinks = torch.empty(dims[0], dtype=torch.bfloat16, device="meta", requires_grad=True)
+    sim = _step(dict(args), dims, sinks=sinks)
+    assert set(calls.count) == {"fa4"} and fa4.calls, dict(calls.count)
+    assert all(not c[1]["softcap"] for c in fa4.calls), "a sink is no cap"
+    with HostWork() as later:
+        _step(dict(args), dims, plans=sim.plans, sinks=sinks)
+    assert later.copies == 0 and sum(later.syncs.values()) == 0
+    fa4, calls = gpu(arch)
+    _step(dict(args, softcap=30.0), dims)
+    assert set(calls.count) == {"fa4"}, dict(calls.count)
+    passes = {c[0] for c in fa4.calls}
+    assert passes == {"_flash_attn_fwd", "_flash_attn_bwd"}, passes
+    assert all(c[1]["softcap"] == 30.0 for c in fa4.calls), [c[1]["softcap"] for c in fa4.calls]
