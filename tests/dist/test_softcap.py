@@ -188,6 +188,9 @@ def check_ring(layout, docs, window, kv_heads, dims, sinks, how):
     args = dict(layout=layout, softmax_scale=scale, cu_seqlens=cu_t, window_size=window, softcap=CAP)
     if how == "request":
         out = striped_sp.RingRequest(**args)(*mine, sinks=my_sinks)
+    elif how == "compiled":  # torch.compile around the call (issue 47: sinks and the cap under it)
+        call = torch.compile(lambda *t: striped_sp.ring_attention(*t, **args, sinks=my_sinks), backend="aot_eager")
+        out = call(*mine)
     else:
         out = striped_sp.ring_attention(*mine, **args, sinks=my_sinks)
     out.backward(shard(dout))
@@ -223,6 +226,7 @@ CASES_2 = [
     ("zigzag-mla", check_ring, ("zigzag", None, None, 2, (24, 16), False, "call")),
     ("contiguous-mqa-window", check_ring, ("contiguous", None, (9, 0), 1, (16, 16), False, "call")),
     ("striped-sinks-packed", check_ring, ("striped", "packed", None, 2, (16, 16), True, "call")),
+    ("compiled-sinks-packed-window", check_ring, ("striped", "packed", (9, 0), 2, (16, 16), True, "compiled")),
     *[(f"refused-{w}", check_refused, (w,)) for w in ("value", "kernel", "disagree")],
 ]
 _results: dict = {}
