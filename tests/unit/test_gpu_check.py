@@ -103,6 +103,9 @@ def test_all_records_each_case_as_it_exists_and_survives_a_failing_and_a_hanging
     """`all` at a tiny size on the CPU: torch, a backend that fails, one that hangs (killed at its
     limit, recorded as the timeout of the case it ran; a fresh worker goes on), math; every record
     in records.jsonl, the summary printed last."""
+    import striped_sp.kernels as kernels
+
+    monkeypatch.setattr(kernels, "KERNELS", dict(kernels.KERNELS))  # the plugin's doubles stay in this test
     (tmp_path / "plugin_dir").mkdir()
     (tmp_path / "plugin_dir" / "gpu_check_doubles.py").write_text(PLUGIN)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "plugin_dir"))
