@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import striped_sp
 from dist_helper import check_case, run_cases
+from reference import reference_mask
 from seeds import seed_for
 from striped_sp.engine import local
 from striped_sp.kernels.merge import fold_sinks, sink_grad
@@ -39,21 +40,7 @@ def sink_reference(q, k, v, sinks, scale, causal=True, cu_seqlens=None, window_s
     rep = h // k.size(2)
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    pos = torch.arange(s)
-    key_minus_query = pos[None, :] - pos[:, None]
-    seen = torch.ones(s, s, dtype=torch.bool)
-    if causal:
-        seen &= key_minus_query <= 0
-    if window_size is not None:
-        left, right = window_size
-        if left >= 0:
-            seen &= key_minus_query >= -left
-        if right >= 0:
-            seen &= key_minus_query <= right
-    if cu_seqlens is not None:
-        ends = torch.tensor([int(x) for x in cu_seqlens][1:])
-        doc = torch.searchsorted(ends, pos, right=True)
-        seen &= doc[:, None] == doc[None, :]
+    seen = reference_mask(s, causal, cu_seqlens, window_size)
     scores = scores.masked_fill(~seen, float("-inf"))
     with_sink = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, s, 1)], dim=-1)
     probs = with_sink.softmax(-1)[..., :s]
