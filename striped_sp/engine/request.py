@@ -16,34 +16,42 @@ What is checked when (every ``ValueError`` names the value and the rule):
   Ulysses groups (once); then the cross-rank agreement (:mod:`striped_sp.engine.agreement`: one small
   exchange per new signature, nothing afterwards).  A call whose checks fail tells the group's
   other ranks before it raises.
+
+This module holds the request, its per-call flow (checks, agreement, plan, execute), the batch's
+boundary memo (:func:`batch_bounds`) and the public entry points; the checks themselves are in
+:mod:`striped_sp.engine.arguments`, the head-dim and Ulysses slicing of the call's tensors in
+:mod:`striped_sp.engine.call_tensors` (their names stay importable from here).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
-import math
-import numbers
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .agreement import agree, agreeing, check_ranks_enabled
+from .agreement import agree, agreeing
+from .arguments import (call_settings, check_flag, check_group, check_inputs, check_prepare, check_scale,
+                        check_sinks, signature_fields, window_of)
+from .call_tensors import equal_head_dims, ulysses_heads, value_columns
 from .autograd import RingAttention
 from ..kernels import BACKENDS, Kernel, accumulator_dtype, check_softcap, gqa_probe_enabled, resolve_kernel
 from ..plan.layouts import Layout, get_layout
-from ..plan.masks import MaskSpec, as_bounds, check_window, make_mask
+from ..plan.masks import MaskSpec, as_bounds, make_mask
 from ..plan.ring_plan import HostPlan, RingPlan
 from ..plan.sharded_rows import sharding_error, sharding_state
 from .plans import host_plan_for, plan_for
-from .transport import DEFAULT_TIMEOUT_S, TorchTransport, ring_timeout
+from .transport import TorchTransport, ring_timeout
 from .step import strict_block_mode
 from ..plan.grouped import GroupedLayout
 from .ulysses import check_ulysses, check_ulysses_groups, heads_to_seq, seq_to_heads, ulysses_ring_groups
 
 __all__ = ["RingRequest", "ring_attention", "striped_attention", "window_of", "prepare_plans"]
+# the argument checks and the call's tensor adjustments live in arguments.py and call_tensors.py; their
+# names stay importable from here (callers import window_of, check_flag, check_sinks, ulysses_heads and the
+# engine's in-process ring _equal_head_dims from this module)
+_check_inputs, _settings, _equal_head_dims, _value_columns = check_inputs, call_settings, equal_head_dims, value_columns
 
 _UNSET = object()
 #: the boundary tensors read last, with their versions and bounds: module-level because every layer
@@ -53,25 +61,6 @@ _UNSET = object()
 _READ_BOUNDS: collections.deque = collections.deque(maxlen=4)
 _DERIVED = 8  # derived requests (documents, windows) kept per request: a few batches' worth
 _CALLS = 16  # checked calls (shapes, dtype, device) kept per request: the shapes of a few batches
-
-
-def window_of(window_size=None, sliding_window=None, causal: bool = True):
-    """The one window of a call, from either convention: ``window_size=(left, right)`` (flash-attn,
-    ``-1`` = no limit) or transformers' ``sliding_window=W`` (a query sees itself and the ``W - 1``
-    keys before it: ``(W - 1, 0)``); ``None`` without one.  ``ValueError`` naming the value."""
-    if window_size is not None and sliding_window is not None:
-        raise ValueError(f"give window_size={window_size!r} or sliding_window={sliding_window!r}, not both")
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1:
-            raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (a query sees itself and "
-                             "the sliding_window - 1 keys before it)")
-        if not causal:
-            raise ValueError(f"sliding_window={sliding_window} on a non-causal attention layer: the ring engine "
-                             "runs transformers' sliding windows for causal layers only (give window_size=(left, right))")
-        return (int(sliding_window) - 1, 0)
-    if window_size is None:
-        return None
-    return check_window(window_size, causal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,21 +139,7 @@ class RingRequest:
         model, where the batch is made: the layers then find it in the plan cache.  Checks the
         documents and window (``ValueError``); sends nothing.  ``world_size`` / ``rank``: of the
         CP group (default: this request's group)."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
-            raise TypeError(f"prepare: seq_len={seq_len!r} must be an int (the tokens of the global row), "
-                            f"got {type(seq_len).__name__}")
-        seq_len = int(seq_len)
-        if (world_size is None) != (rank is None):
-            raise ValueError(f"prepare: world_size={world_size!r} and rank={rank!r}: give both (the CP group's size "
-                             "and this rank in it) or neither (then the request's group says)")
-        if world_size is None:
-            group = self._group()
-            world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ValueError(f"prepare: {name}={value!r} must be an int >= {low}")
-        if rank >= world_size:
-            raise ValueError(f"prepare: rank={rank} must be below world_size={world_size}")
+        seq_len, world_size, rank = check_prepare(seq_len, world_size, rank, self._group)
         self.layout.check_seq_len(seq_len, world_size)
         local = seq_len // world_size
         mask = self._mask(local, world_size)
@@ -186,7 +161,7 @@ class RingRequest:
         """``[batch, s_local, heads, v_head_dim]`` in ``q.dtype`` (see :func:`ring_attention`, also
         for ``sinks``)."""
         group = self._group()
-        check_ranks, timeout, setting_error = _settings(self.timeout)
+        check_ranks, timeout, setting_error = call_settings(self.timeout)
         device = q.device if isinstance(q, torch.Tensor) else None
         with agreeing(group, device=device, timeout=timeout, enabled=check_ranks):
             if setting_error is not None:
@@ -200,11 +175,11 @@ class RingRequest:
         if sharded is False:  # the same on every rank once they agreed: all raise, before the ring's first message
             raise ValueError(sharding_error("ring_attention", self.layout, q.size(1) * n, n, self.bounds))
         value_dim = v.size(-1)
-        q, k, v = _equal_head_dims(q, k, v, call.kernel)
+        q, k, v = equal_head_dims(q, k, v, call.kernel)
         if call.ulysses == 1 and not self.hierarchical:
             transport = TorchTransport(group, timeout)
             plan = self._plan(self.layout, call, transport, q, v)
-            return _value_columns(RingAttention.apply(q, k, v, plan, transport, sinks), value_dim)
+            return value_columns(RingAttention.apply(q, k, v, plan, transport, sinks), value_dim)
         u = call.ulysses
         inner, outer = self.ulysses_groups if self.ulysses_groups is not None else ulysses_ring_groups(
             [dist.get_process_group_ranks(group)], u)
@@ -216,7 +191,7 @@ class RingRequest:
         transport = TorchTransport(outer, timeout)
         plan = self._plan(GroupedLayout(self.layout, u), call, transport, q2, v2)
         out = RingAttention.apply(q2, k2, v2, plan, transport, sinks)
-        return _value_columns(heads_to_seq(out, inner, u), value_dim)
+        return value_columns(heads_to_seq(out, inner, u), value_dim)
 
     def _plan(self, layout, call: _Call, transport, q, v) -> RingPlan:
         """The batch's plan for this rank, from the plan cache (built on the first layer that asks)."""
@@ -229,7 +204,7 @@ class RingRequest:
         """Every check of one call (nothing sent); the shape-dependent results cached.  ``group=None``
         with ``world_size`` (and optionally a ``kernel`` instead of the backend's): the checks of a ring
         of that size without a process group (the in-process executor, :mod:`striped_sp.engine.local`)."""
-        _check_inputs(q, k, v, self.layout)
+        check_inputs(q, k, v, self.layout)
         if self.bounds is not None and q.size(0) != 1:
             raise ValueError(
                 f"cu_seqlens needs batch size 1 (one packed row, the THD convention), got batch {q.size(0)}: "
@@ -296,147 +271,7 @@ class RingRequest:
         """Every rank of ``group`` passed the same signature (:func:`striped_sp.engine.agreement.agree`: one
         small exchange the first time the group sees it, nothing afterwards); else a ``ValueError`` on
         every rank naming the field and both values."""
-        mask = call.mask
-        fields = [
-            ("q.shape", q.shape), ("k.shape", k.shape), ("v.shape", v.shape), ("dtype", q.dtype),
-            ("device type", q.device.type), ("layout", self.layout.key), ("causal", self.causal),
-            ("softmax_scale", call.scale),
-            ("cu_seqlens", None if mask is None else mask.bounds),
-            ("window_size", None if mask is None else (mask.left, mask.right)),
-            ("ulysses_size", call.ulysses), ("backend", call.kernel.name), ("grad_comm_dtype", call.comm),
-            ("deterministic", self.deterministic),
-            ("sharded by documents", sharded),  # None where the documents move no token
-            ("sinks", sinks), ("softcap", self.softcap),
-        ]
-        agree(group, fields, what="ring_attention", device=q.device, timeout=timeout, enabled=True)
-
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}: expected 4 dims [batch, s_local, heads, head_dim]"
-            )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must match in batch, s_local and kv heads, got k {tuple(k.shape)} and "
-                         f"v {tuple(v.shape)} (only the head dim may differ)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.size(1) == 0:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}: an empty local sequence (s_local = 0): the local "
-                             "sequence length must be positive (the global row of S tokens, S / N per rank)")
-        if min(t.shape) == 0:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}: every dim (batch, s_local, heads, head_dim) "
-                             "must be positive")
-    if q.size(0) != k.size(0):
-        raise ValueError(f"batch sizes differ: q has {q.size(0)}, k and v have {k.size(0)}")
-    if q.size(3) != k.size(3):
-        raise ValueError(f"head_dim differs: q has {q.size(3)}, k and v have {k.size(3)}")
-    if q.size(1) != k.size(1):
-        raise ValueError(f"local sequence lengths differ: q has {q.size(1)}, k and v have {k.size(1)}")
-    heads, kv_heads = q.size(2), k.size(2)
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
-    layout.check_local_len(q.size(1))
-
-
-def check_sinks(sinks, q: torch.Tensor) -> None:
-    """``sinks`` is ``None`` or a floating-point ``[heads]`` tensor on q's device (``heads`` = q's,
-    every query head of the call, before any Ulysses split); else ``ValueError`` naming its shape
-    and the rule."""
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor):
-        raise ValueError(f"sinks must be a torch.Tensor of shape [heads] (one sink logit per query head) or None, "
-                         f"got {type(sinks).__name__}")
-    heads = q.size(2)
-    if sinks.dim() != 1 or sinks.size(0) != heads:
-        raise ValueError(f"sinks has shape {tuple(sinks.shape)}: expected [{heads}], 1-D with one sink logit per "
-                         f"query head (q has {heads} heads; every head of the call, before any Ulysses split)")
-    if not sinks.is_floating_point():
-        raise ValueError(f"sinks has dtype {sinks.dtype}: expected a floating-point dtype (the model's own; "
-                         "folded in float32)")
-    if sinks.device != q.device:
-        raise ValueError(f"sinks is on {sinks.device}, q on {q.device}: they must be on one device")
-
-
-def ulysses_heads(x: torch.Tensor, member: int, u: int) -> torch.Tensor:
-    """The part of a per-head ``[heads]`` tensor that Ulysses member ``member`` of ``u`` holds after
-    :func:`~striped_sp.engine.ulysses.seq_to_heads` (slice ``member`` of ``u`` equal slices)."""
-    w = x.size(0) // u
-    return x[member * w:(member + 1) * w]
-
-
-def check_group(group):
-    """``group`` unless it is neither ``None`` nor a process group (``TypeError`` naming it)."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group={group!r} must be a torch.distributed ProcessGroup or None (the default group), "
-                        f"got {type(group).__name__}")
-    return group
-
-
-def check_flag(name: str, value) -> bool:
-    """A bool argument (``causal``, ``deterministic``): a Python or NumPy bool, or the int 0 / 1;
-    anything else (a string such as ``"False"``, which ``bool()`` reads as true) is a ``TypeError``."""
-    kind = type(value)
-    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")):
-        return bool(value)  # NumPy 2 names its bool scalar type "bool", NumPy 1 "bool_"
-    if isinstance(value, numbers.Integral) and value in (0, 1):
-        return bool(value)
-    where = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
-    raise TypeError(f"{name}={value!r} must be a bool, got {where}{kind.__name__}")
-
-
-def check_scale(softmax_scale) -> float | None:
-    """``softmax_scale`` as a float, ``None`` kept (head_dim ** -0.5 at the call): a finite real > 0."""
-    if softmax_scale is None:
-        return None
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale={softmax_scale!r} must be a real number (a finite float > 0) or None, "
-                        f"got {type(softmax_scale).__name__}")
-    value = float(softmax_scale)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be positive and finite (a number > 0)")
-    return value
-
-
-def _settings(timeout) -> tuple[bool, datetime.timedelta, Exception | None]:
-    """The check setting and the ring timeout of a call, and the error of a bad one: raised inside the
-    agreement, so that the peers hear of it instead of waiting (a bad one reads as the default: the
-    check on, the default timeout)."""
-    error = None
-    try:
-        check_ranks = check_ranks_enabled()
-    except ValueError as err:
-        check_ranks, error = True, err
-    try:
-        ring_to = ring_timeout(timeout)
-    except ValueError as err:
-        ring_to, error = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), error or err
-    return check_ranks, ring_to, error
-
-
-def _equal_head_dims(q, k, v, kernel: Kernel):
-    """q, k, v with one head dim for a kernel without :attr:`~striped_sp.kernels.Kernel.native_value_head_dim`
-    (multi-latent attention): v zero-padded to q/k's head dim, or q and k to v's.  Exact: zero
-    columns of q and k add nothing to a score (the scale was fixed before), and zero columns of v
-    give zero output columns, which :func:`_value_columns` drops (autograd drops their gradient)."""
-    d, dv = q.size(-1), v.size(-1)
-    if d == dv or kernel.native_value_head_dim:
-        return q, k, v
-    if dv < d:
-        return q, k, F.pad(v, (0, d - dv))
-    return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v
-
-
-def _value_columns(out: torch.Tensor, value_dim: int) -> torch.Tensor:
-    """``out`` without the columns of a padded v (contiguous, as the ring returns it)."""
-    return out if out.size(-1) == value_dim else out[..., :value_dim].contiguous()
+        agree(group, signature_fields(self, q, k, v, call, sharded, sinks), what="ring_attention", device=q.device, timeout=timeout, enabled=True)
 
 
 def batch_bounds(cu_seqlens) -> tuple[int, ...]:
@@ -565,7 +400,7 @@ def ring_attention(
                 "or pass group="
             )
         group = dist.group.WORLD
-    check_ranks, ring_to, setting_error = _settings(timeout)
+    check_ranks, ring_to, setting_error = call_settings(timeout)
     with agreeing(group, device=q.device if isinstance(q, torch.Tensor) else None, timeout=ring_to,
                   enabled=check_ranks):
         if setting_error is not None:
