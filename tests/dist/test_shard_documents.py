@@ -128,6 +128,30 @@ def check_declared():
     assert ((out - ref.index_select(1, idx)).abs().max() / ref.abs().max()).item() < 1e-10
 
 
+#: rows of one, two and four documents (each a multiple of 2N, as zigzag needs): (name, bounds)
+_ROWS = (("one", [0, S]), ("two", [0, 20, S]), ("four", [0, 8, 16, 36, S]))  # rows no other case shards
+#: every layout form: layout -> the rows whose documents move tokens there (their dense shard holds other
+#: tokens than the documents' one), from the layouts' definitions: the default's search and per-document
+#: stripes place every row of two or more documents; whole placement of documents up to 8 tokens moves the
+#: row with documents of 8 and not the one of 20 and 28 (each dealt in stripes of 1, as the dense row);
+#: pinned stripes and contiguous chunks ignore the documents
+_MOVES = {"striped": ("two", "four"), "striped:stripe=1": (), "striped:stripe=2": (),
+          "striped:stripe=doc": ("two", "four"), "striped:place=8": ("four",), "striped:place=24": ("two", "four"),
+          "zigzag": ("two", "four"), "contiguous": ()}
+
+
+def check_rows_of_every_size(layout):
+    """Rows of one, two and four documents under ``layout``: sharded with the documents, exact against
+    float64; sharded densely, refused (no ring message) where the documents move tokens, else exact too
+    (a dense shard is never run silently wrong, whatever the number of documents)."""
+    for i, (name, bounds) in enumerate(_ROWS):  # the dense shard first: no shard of the row recorded yet
+        if name in _MOVES[layout]:
+            check_dense_shard_refused(layout, bounds, "1")
+        else:
+            _exact(layout, bounds, None, SEED + 20 + i)
+        _exact(layout, bounds, bounds, SEED + 10 + i)
+
+
 _ZIGZAG = [0, 8, 16, 40, S]  # every document a multiple of 2N
 CASES = [
     ("dense-striped", check_dense_shard_refused, ("striped", [0, 7, 19, 30, S], "1")),
@@ -139,6 +163,7 @@ CASES = [
     ("one-rank-dense", check_one_rank_dense, ()),
     ("placement-free", check_placement_free_layouts_keep_the_dense_shard, ()),
     ("declared", check_declared, ()),
+    *((f"rows-{layout}", check_rows_of_every_size, (layout,)) for layout in _MOVES),
 ]
 _results = {}
 

@@ -19,6 +19,13 @@ ROW = (0, 7, 26, 27, 41, S)  # documents of 7, 19, 1, 14 and 19 tokens
     ("striped:stripe=doc", ROW, True),
     ("striped:place=8", ROW, True),
     ("zigzag", (0, 12, 18, S), True),  # per-document chunks
+    # rows of two documents: moved like longer rows where the layout places them
+    ("striped", (0, 18, S), True),
+    ("striped:stripe=doc", (0, 24, S), True),
+    ("striped:place=30", (0, 12, S), True),  # the document of 12 whole on one rank
+    ("zigzag", (0, 24, S), True),
+    ("striped:stripe=2", (0, 24, S), False),
+    ("contiguous", (0, 24, S), False),
     ("striped", (0, S), False),  # one document: the dense placement
     ("zigzag", (0, S), False),
     ("striped:stripe=1", ROW, False),  # pinned stripes: the documents move nothing
