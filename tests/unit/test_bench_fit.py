@@ -1,18 +1,22 @@
 """``striped-sp bench fit``'s arithmetic (striped_sp/bench/fit.py) on synthetic data: the two scales
 recovered from samples built with known ones, the least-squares solution on noisy samples checked
 against torch's solver, the relative errors, the refusal of features that cannot separate the
-scales, and a record's features priced as the search prices its plan."""
+scales, and a record's features priced as the search prices its plan; then the measuring path and the
+command line (``striped-sp bench fit``) on tiny rows: the median over rounds kept (a clock with known
+times), and the table model's prediction against one computed here from the search's predictions."""
 
 from __future__ import annotations
 
+import json
 import random
+import statistics
 
 import pytest
 import torch
 
 from seeds import seed_for
 from striped_sp.bench.fit import Sample, errors, fit_scales, predict, samples_from_records
-from striped_sp.plan.cost import model_named
+from striped_sp.plan.cost import default_model, model_named
 from striped_sp.plan.search import predict_ring, predict_zigzag
 
 pytestmark = pytest.mark.unit
@@ -75,3 +79,85 @@ def test_a_records_features_are_the_searchs_prediction():
     for s, p in zip(got, (predict_ring(bounds, n, "doc", 128, model), predict_zigzag(bounds, n, model))):
         assert s.x_kernel == pytest.approx(heads * (1 + model.backward_factor) * sum(p.compute_ms))
         assert s.x_steps == heads * p.steps
+
+
+# ---------------------------------------------------------------- the measuring path and the command line
+
+_LAYOUTS = {"striped:stripe=1": (1, 0), "striped:stripe=doc": ("doc", 0), "zigzag": None}  # -> (stripe, whole_max)
+_FIT_MIX, _TEST_MIX = "fixed:16", "lognormal:median=16,sigma=1"
+_N, _TPR, _HEADS = 2, 32, 2
+
+
+def _run_fit(tmp_path, rounds, capsys):
+    from striped_sp.cli import main
+
+    path = tmp_path / "fit.json"
+    rc = main(["bench", "fit", "--fit-mixes", _FIT_MIX, "--test-mixes", _TEST_MIX, "--layouts", ";".join(_LAYOUTS),
+               "--world-sizes", str(_N), "--tokens-per-rank", str(_TPR), "--heads", str(_HEADS), "--head-dim", "8",
+               "--reps", "1", "--rounds", str(rounds), "--json", str(path), "--no-progress"])
+    assert rc == 0
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+def _features(mix, layout):
+    """``(x_kernel, x_steps)`` of one row from the search's predictions: heads x (1 + backward factor) x the
+    per-step forward compute (ms), heads x ring steps."""
+    from striped_sp.bench.docs import workload
+
+    model = default_model()
+    bounds = tuple(workload("striped", _N, _TPR, mix, None).mask.bounds)
+    plan = _LAYOUTS[layout]
+    pred = predict_zigzag(bounds, _N, model) if plan is None else predict_ring(bounds, _N, *plan, model)
+    return _HEADS * (1 + model.backward_factor) * sum(pred.compute_ms), float(_HEADS * pred.steps)
+
+
+def _check_rows(rows):
+    """A row per (set, mix, layout); the table's model (kernel scale 1, the model's step cost, ns -> ms)
+    and both errors as computed here."""
+    assert sorted((r["set"], r["mix"], r["layout"]) for r in rows) == sorted(
+        [("fit", _FIT_MIX, lay) for lay in _LAYOUTS] + [("test", _TEST_MIX, lay) for lay in _LAYOUTS])
+    for r in rows:
+        xk, xs = _features(r["mix"], r["layout"])
+        assert r["measured_ms"] > 0 and (r["N"], r["tokens/rank"]) == (_N, _TPR)
+        assert r["table_model_ms"] == pytest.approx(xk + xs * default_model().step_ns * 1e-6, rel=1e-9), r
+        assert r["table_model_error"] == pytest.approx(r["table_model_ms"] / r["measured_ms"] - 1, rel=1e-9)
+        assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1, rel=1e-9)
+
+
+def test_fit_command_measures_with_the_sim(tmp_path, capsys):
+    """``bench fit`` end to end with the sim's own clock: the rows, and the table's step cost printed in
+    microseconds per head."""
+    rows, out = _run_fit(tmp_path, 1, capsys)
+    _check_rows(rows)
+    assert f"(the table's model: a = 1, b = {default_model().step_ns / 1e3:.1f} us)" in out
+
+
+def test_fit_keeps_the_median_of_its_rounds(tmp_path, capsys, monkeypatch):
+    """A clock that reports known critical paths, scaled per round by 5, 1 and 100: every sample's
+    measured time is the median round's (5x), not the last (100x) nor the mean; the fitted predictions
+    are the least squares of those medians (torch's solver on the features computed here)."""
+    import striped_sp.bench.sim_masked as sim_masked
+
+    base_s = {(_FIT_MIX, "striped:stripe=1"): 0.004, (_FIT_MIX, "striped:stripe=doc"): 0.002,
+              (_FIT_MIX, "zigzag"): 0.003, (_TEST_MIX, "striped:stripe=1"): 0.005,
+              (_TEST_MIX, "striped:stripe=doc"): 0.001, (_TEST_MIX, "zigzag"): 0.006}
+    factors, calls = (5.0, 1.0, 100.0), []
+
+    def clock(cfg, rings, bar):  # each round times the fit mix, then the test mix (one point each)
+        mix, scale = (_FIT_MIX, _TEST_MIX)[len(calls) % 2], factors[len(calls) // 2]
+        calls.append(sorted(rings))
+        return {lay: {p: base_s[mix, lay] * scale for p in sim_masked.PASSES} for lay in rings}
+
+    monkeypatch.setattr(sim_masked, "time_rings", clock)
+    rows, _ = _run_fit(tmp_path, 3, capsys)
+    assert calls == [sorted(_LAYOUTS)] * 6
+    _check_rows(rows)
+    for r in rows:
+        assert r["measured_ms"] == pytest.approx(base_s[r["mix"], r["layout"]] * 5.0 * 1e3, rel=1e-12), r
+    fit = [r for r in rows if r["set"] == "fit"]
+    x = torch.tensor([_features(r["mix"], r["layout"]) for r in fit], dtype=torch.float64)
+    y = torch.tensor([[r["measured_ms"]] for r in fit], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    for r in rows:
+        xk, xs = _features(r["mix"], r["layout"])
+        assert r["predicted_ms"] == pytest.approx(a * xk + b * xs, rel=1e-9), r
