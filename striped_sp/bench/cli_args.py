@@ -20,6 +20,23 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _sizes(text: str) -> list[int]:
+    """``128k,1M`` (k = 1024, M = 1024^2) or plain integers."""
+    vals = []
+    for part in text.replace(",", " ").split():
+        scale = {"k": 1 << 10, "m": 1 << 20}.get(part[-1].lower(), 1)
+        try:
+            val = int(part[:-1] if scale > 1 else part) * scale
+        except ValueError:
+            val = 0
+        if val <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected positive sizes like 131072, 128k or 1M")
+        vals.append(val)
+    if not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected sizes like 128k,1M")
+    return vals
+
+
 def names(choices):
     def parse(text: str) -> list[str]:
         vals = [x for x in text.replace(",", " ").split() if x]
