@@ -31,8 +31,9 @@ import torch
 from ..engine.natural_order import gather_natural, natural_order, take_local
 from ..plan.layouts import get_layout
 from .mixers import UnhandledMixer, unhandled_mixers
+from .split import split_or_reason
 
-__all__ = ["wrap_mixers", "inside_gathered_mixer"]
+__all__ = ["wrap_mixers", "inside_gathered_mixer", "mixer_modes", "mixer_summary"]
 
 #: set while a wrapped mixer runs on the gathered sequence
 _INSIDE = contextvars.ContextVar("striped_sp_inside_gathered_mixer", default=None)
@@ -58,7 +59,33 @@ def _per_token(value, x: torch.Tensor) -> bool:
             and value.size(0) == x.size(0) and value.size(1) == x.size(1))
 
 
-def _wrapped_forward(forward, path: str, hidden: int, settings_of):
+#: names a mixer's forward takes besides hidden_states that the split forms handle themselves
+_SPLIT_DROPS = ("cache", "cache_params", "past_key_values", "attention_mask")
+
+
+def _split_for(module, n: int, rest: tuple, kwargs: dict):
+    """The split form of ``module`` for ``n`` ranks, or ``None`` (the gather runs): no split form, the
+    heads / channels do not divide, a cache (generation), positional arguments past the hidden
+    states it cannot name, or a padding mask with padding."""
+    if module is None or getattr(module, "_striped_sp_split_off", False):
+        return None
+    split, _ = split_or_reason(module, n)
+    if split is None or any(a is not None for a in rest):
+        return None
+    if any(kwargs.get(k) is not None for k in ("cache", "cache_params", "past_key_values")):
+        return None
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
+        return None
+    return split
+
+
+def _split_kwargs(kwargs: dict) -> dict:
+    """The keyword arguments a split form passes on to the model's kernels (as the forward does)."""
+    return {k: v for k, v in kwargs.items() if k not in _SPLIT_DROPS}
+
+
+def _wrapped_forward(forward, path: str, hidden: int, settings_of, module=None):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         import torch.distributed as dist
@@ -85,6 +112,9 @@ def _wrapped_forward(forward, path: str, hidden: int, settings_of):
                   for k, v in kwargs.items() if k != "hidden_states"}
         token = _INSIDE.set(path)
         try:
+            split = _split_for(module, n, rest, others)
+            if split is not None:  # heads / channels over the group, one all-to-all each way
+                return split.run(x, group, order, _split_kwargs(others))
             args2, kwargs2 = rebuild(gather_natural(x, group, order), rest, others)
             out = forward(*args2, **kwargs2)
         finally:
@@ -100,10 +130,22 @@ def _wrapped_forward(forward, path: str, hidden: int, settings_of):
 
 
 def wrap_mixers(model: torch.nn.Module, settings_of) -> list[UnhandledMixer]:
-    """Wrap every runnable mixer of ``model`` (once; a second call leaves wrapped ones alone) so
-    it runs on the gathered sequence; ``settings_of()`` gives the active group, layout and the
-    batch's boundaries at call time.  Returns the mixers it could not wrap (for the caller to
-    refuse); wraps nothing when there are any."""
+    """Wrap every runnable mixer of ``model`` so it runs on the gathered sequence; ``settings_of()``
+    gives the active group, layout and the batch's boundaries at call time.  A second call wraps
+    nothing twice and points every wrapped mixer at its ``settings_of`` (the later call wins).  The
+    wrapper is a method of its module, so a deep copy of the model runs its own mixers (a closure
+    over the module's bound forward would run the original's weights).  Returns the mixers it could
+    not wrap (for the caller to refuse); wraps nothing when there are any."""
+    import types
+
+    def method(path: str, inner, own: bool):
+        def run(self, *args, **kwargs):
+            forward = inner.__func__.__get__(self) if own else inner  # own: the copy's forward in a copy
+            return _wrapped_forward(forward, path, hidden, self._striped_sp_settings_of, self)(*args, **kwargs)
+
+        run._striped_sp_mixer = path
+        return run
+
     found = unhandled_mixers(model)
     left = [m for m in found if not m.runnable]
     if left:
@@ -114,6 +156,40 @@ def wrap_mixers(model: torch.nn.Module, settings_of) -> list[UnhandledMixer]:
     modules = dict(model.named_modules())
     for mixer in found:
         module = modules[mixer.path]
+        module._striped_sp_settings_of = settings_of
         if getattr(module.forward, "_striped_sp_mixer", None) is None:
-            module.forward = _wrapped_forward(module.forward, mixer.path, hidden, settings_of)
+            inner = module.forward
+            module.forward = types.MethodType(method(mixer.path, inner, getattr(inner, "__self__", None) is module),
+                                              module)
     return []
+
+
+def mixer_modes(model: torch.nn.Module, n: int) -> list[tuple[str, str, str]]:
+    """How each non-attention mixer of ``model`` runs over ``n`` ranks: ``(path, mode, why)`` with
+    ``mode`` ``"split"`` (``why``: its kind, e.g. ``"gated delta net"``) or ``"gathered"`` (``why``:
+    the reason it cannot split).  Reads module types only: no forward, no collective."""
+    modules = dict(model.named_modules())
+    modes = []
+    for mixer in unhandled_mixers(model):
+        module = modules.get(mixer.path)
+        if module is None:
+            continue
+        split, reason = split_or_reason(module, n)
+        modes.append((mixer.path, "split", split.kind) if split is not None else (mixer.path, "gathered", reason))
+    return modes
+
+
+def mixer_summary(model: torch.nn.Module, n: int) -> str:
+    """For the setup line: ``"mixers: 6 split (gated delta net), 1 gathered: model.layers.3.mamba
+    (3 heads are not divisible by 2 ranks)"``; ``""`` for a model without such mixers."""
+    modes = mixer_modes(model, n)
+    if not modes:
+        return ""
+    kinds = sorted({why for _, mode, why in modes if mode == "split"})
+    split = sum(mode == "split" for _, mode, _ in modes)
+    parts = [f"{split} split ({', '.join(kinds)})"] if split else []
+    gathered = [f"{path} ({why})" for path, mode, why in modes if mode == "gathered"]
+    if gathered:
+        shown = "; ".join(gathered[:3]) + (f"; and {len(gathered) - 3} more" if len(gathered) > 3 else "")
+        parts.append(f"{len(gathered)} gathered (each rank runs the whole sequence): {shown}")
+    return "mixers: " + ", ".join(parts)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .config import SECTION, ContextParallelSettings
+from .hybrid import mixer_summary
 
 __all__ = ["setup_line", "announce", "LOGGER"]
 
@@ -73,6 +74,8 @@ def setup_line(model, settings: ContextParallelSettings, groups, config: dict) -
         "cuda" if torch.cuda.is_available() else "cpu")
     sinks, softcap = attention_extras(model)
     extras = ("; sinks on" if sinks else "") + (f"; softcap {softcap}" if softcap else "")
+    mixers = mixer_summary(model, sp)
+    extras += f"; {mixers}" if mixers else ""
     return line(f"DeepSpeed, context_parallel.algo {settings.algo}", settings.layout,
                 f"sequence_parallel_size {sp} (ranks {ranks} of {dist.get_world_size()}, {groups.dp_size} "
                 f"data-parallel replicas{split})", settings.backend, device, _dtype(model, config),

@@ -7,6 +7,7 @@ gloo ranks.  The reference is a copy of the model taken before anything of ours 
 at SP=1 on the whole batch with transformers' own attention.  Loss to 1e-5, every gradient to 1e-4
 (float64 where the model runs in it, else float32), after summing over the group as DeepSpeed does."""
 
+import contextlib
 import copy
 import os
 import re
@@ -62,9 +63,36 @@ def _case_family(model_type, layout="striped", ulysses=1):
     ref_out.loss.backward()
     groups = striped_sp.ulysses_ring_groups([list(range(n))], ulysses) if ulysses > 1 else None
     enable_hf_attention(model, None, layout, ulysses_groups=groups)
-    out = model(**shard_batch(full, n, rank, layout), use_cache=False)
-    out.loss.backward()
+    with _exchanges() as calls:
+        out = model(**shard_batch(full, n, rank, layout), use_cache=False)
+        out.loss.backward()
     _compare(model, ref, out.loss, ref_out.loss)
+    # every mixer of these shapes splits over 2 and 4 ranks: one all-to-all each way, forward and backward
+    assert calls == [4 * _mixer_count(model)], (calls, _mixer_count(model))
+
+
+def _mixer_count(model) -> int:
+    from striped_sp.deepspeed.mixers import unhandled_mixers
+
+    return len(unhandled_mixers(model))
+
+
+@contextlib.contextmanager
+def _exchanges():
+    """Counts the split mixers' all-to-alls (:mod:`striped_sp.engine.head_split`) while it is open."""
+    from striped_sp.engine import head_split
+
+    calls, real = [0], head_split._exchange
+
+    def counted(chunks, group):
+        calls[0] += 1
+        return real(chunks, group)
+
+    head_split._exchange = counted
+    try:
+        yield calls
+    finally:
+        head_split._exchange = real
 
 
 def _compare(model, ref, loss, ref_loss):
@@ -112,9 +140,34 @@ def _case_packed(model_type, layout="striped"):
             model(**batch, use_cache=False)
         return
     ref_out.loss.backward()
-    out = model(**batch, use_cache=False)
-    out.loss.backward()
+    with _exchanges() as calls:
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
     _compare(model, ref, out.loss, ref_out.loss)
+    assert calls == [4 * _mixer_count(model)], (calls, _mixer_count(model))
+
+
+def _case_gathered(model_type, overrides):
+    """Heads that do not divide by N: the mixer runs gathered (no all-to-all), exact all the same."""
+    import striped_sp.deepspeed.hybrid as hybrid
+    from striped_sp.deepspeed import enable_hf_attention, shard_batch
+    from support.token_mixing import tiny_causal_lm
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = tiny_causal_lm(model_type, **{**SHAPES[model_type], **overrides})[0].to(torch.float64).train()
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    full = _batch()
+    ref_out = ref(**full, use_cache=False)
+    ref_out.loss.backward()
+    enable_hf_attention(model, None, "striped")
+    reasons = hybrid.mixer_modes(model, n)
+    assert reasons and all(mode == "gathered" and "not divisible by 4 ranks" in why for _, mode, why in reasons), reasons
+    with _exchanges() as calls:
+        out = model(**shard_batch(full, n, rank, "striped"), use_cache=False)
+        out.loss.backward()
+    _compare(model, ref, out.loss, ref_out.loss)
+    assert calls == [0], calls
 
 
 def _case_packed_zigzag_refused():
@@ -137,6 +190,9 @@ CASES2 += [("lfm2_packed_zigzag_refused", _case_packed_zigzag_refused, ())]
 CASES4 = [(f"{t}_striped", _case_family, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
 CASES4 += [("qwen3_next_ulysses2_x_striped2", _case_family, ("qwen3_next", "striped", 2))]
 CASES4 += [("falcon_h1_packed", _case_packed, ("falcon_h1",))]
+CASES4 += [(f"{t}_striped", _case_family, (t,)) for t in ("jamba", "granitemoehybrid")]
+CASES4 += [("qwen3_next_gathered_6_heads", _case_gathered,
+            ("qwen3_next", dict(linear_num_value_heads=6, linear_num_key_heads=2)))]
 
 
 @pytest.fixture(scope="module")
