@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import striped_sp
-from dist_helper import check_case, run_cases
+from case_tests import cases_test
 from reference import reference_attention
 from seeds import seed_for
 
@@ -165,11 +165,4 @@ CASES = [
     ("declared", check_declared, ()),
     *((f"rows-{layout}", check_rows_of_every_size, (layout,)) for layout in _MOVES),
 ]
-_results = {}
-
-
-@pytest.mark.parametrize("name", [name for name, _, _ in CASES])
-def test_packed_row_sharding(name):
-    if "all" not in _results:
-        _results["all"] = run_cases(N, CASES)
-    check_case(_results["all"], name)
+test_packed_row_sharding = cases_test(N, CASES)

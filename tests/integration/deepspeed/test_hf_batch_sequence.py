@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 pytest.importorskip("transformers")
 
-from dist_helper import check_case, run_cases  # noqa: E402
+from case_tests import cases_test  # noqa: E402
 from reference import rel_err  # noqa: E402
 
 SEQ = 32
@@ -96,13 +96,4 @@ def check_batches_in_sequence(model_type, layout):
 
 CASES = [(f"{model_type}-{layout}", check_batches_in_sequence, (model_type, layout))
          for model_type, layout in (("lfm2", "striped"), ("lfm2", "striped:stripe=doc"), ("llama", "striped"))]
-
-
-@pytest.fixture(scope="module")
-def results():
-    return run_cases(2, CASES, timeout_s=600)
-
-
-@pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_batches_in_sequence(results, name):
-    check_case(results, name)
+test_batches_in_sequence = cases_test(2, CASES, timeout_s=600)

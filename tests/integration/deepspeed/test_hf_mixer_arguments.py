@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import striped_sp  # noqa: E402
-from dist_helper import check_case, run_cases  # noqa: E402
+from case_tests import cases_test  # noqa: E402
 from reference import rel_err  # noqa: E402
 from seeds import seed_for  # noqa: E402
 
@@ -155,20 +155,10 @@ def check_double_equals_reference():
         assert rel_err(got, want) < 1e-12
 
 
-CASES = [
-    ("reference", check_double_equals_reference, ()),
-    ("striped-dense", check_arguments_follow_the_tokens, ("striped", None)),
-    ("stripe2-dense", check_arguments_follow_the_tokens, ("striped:stripe=2", None)),
-    ("zigzag-dense", check_arguments_follow_the_tokens, ("zigzag", None)),
-    ("contiguous-dense", check_arguments_follow_the_tokens, ("contiguous", None)),
-    ("striped-packed", check_arguments_follow_the_tokens, ("striped", PACKED)),
-    ("contiguous-packed", check_arguments_follow_the_tokens, ("contiguous", PACKED)),
-]
-_results = {}
-
-
-@pytest.mark.parametrize("name", [name for name, _, _ in CASES])
-def test_mixer_arguments(name):
-    if "all" not in _results:
-        _results["all"] = run_cases(N, CASES)
-    check_case(_results["all"], name)
+#: (layout, packed row or None): dense rows under every layout, packed ones where a hybrid runs them
+ROWS = [("striped", None), ("striped:stripe=2", None), ("zigzag", None), ("contiguous", None),
+        ("striped", PACKED), ("contiguous", PACKED)]
+CASES = [("reference", check_double_equals_reference, ())]
+CASES += [(f"{layout}-{'packed' if bounds else 'dense'}", check_arguments_follow_the_tokens, (layout, bounds))
+          for layout, bounds in ROWS]
+test_mixer_arguments = cases_test(N, CASES)
