@@ -71,6 +71,9 @@ _ACTIVE: _Settings | None = None
 #: the document boundaries of the batch the model runs now (its forward pre-hook reads them), for
 #: the hybrid mixers (:mod:`.hybrid`), which refuse packed rows
 _BATCH_BOUNDS: list = [None]
+#: set by the model's forward pre-hook, cleared by the first attention layer of that forward, which
+#: checks the positions (a hybrid's first attention layer need not be layer 0)
+_CHECK_PENDING: list = [False]
 
 
 def _mixer_settings():
@@ -112,9 +115,21 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
     Returns ``model``.  A hybrid model's other token mixers (gated delta net, Mamba, short
     convolutions) run on the whole gathered sequence (:mod:`.hybrid`); a mixer that cannot
     (:mod:`.mixers`) is a ``ValueError`` naming it.
+
+    Calling it again, on this model or another, re-targets: the later call's group, layout, backend
+    and Ulysses groups win, for the attention and the wrapped mixers alike (the settings are
+    process-wide); nothing is wrapped or hooked twice, and a deep copy of the model runs its own
+    mixers.  Nothing of it reaches the model's files: ``save_pretrained`` writes the plain model's
+    config and weights, ``from_pretrained`` gives the plain model, to enable again (loaded with
+    ``attn_implementation="striped_sp"`` but not enabled, its first attention is refused by name).
     """
     global _ACTIVE
     RingRequest(group, layout=layout, backend=backend)  # ValueError for an unknown layout or backend
+    if getattr(model, "_striped_sp_hooks", None) and getattr(model, "_striped_sp_hooks_group", group) is not group:
+        raise ValueError(
+            "enable_hf_attention with another group on a model striped_sp.deepspeed.initialize set up: its loss "
+            "hooks count targets and sum the loss over the group initialize gave it; call initialize again "
+            "(another layout over the same group is fine here)")
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(
             f"{type(model).__name__} is not a transformers PreTrainedModel (no set_attn_implementation)"
@@ -140,6 +155,8 @@ def enable_hf_attention(model, group=None, layout: str = "striped", backend: str
             "(it does not use transformers' attention-function registry): its attention would run "
             "on the local tokens only"
         )
+    for module in model.modules():  # what hf_attention_forward asks of a transformers attention layer
+        module._striped_sp_enabled = True
     return model
 
 
@@ -160,6 +177,7 @@ def _check_mask(attention_mask) -> None:
 
 def _padding_mask_pre_hook(module, args, kwargs):
     _BATCH_BOUNDS[0] = _boundaries(kwargs)
+    _CHECK_PENDING[0] = True
     mask = kwargs.get("attention_mask")
     if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
         mask = args[1]
@@ -220,6 +238,12 @@ def hf_attention_forward(
             "attn_implementation='striped_sp' is not set up: call "
             "striped_sp.deepspeed.enable_hf_attention(model, group) or striped_sp.deepspeed.initialize"
         )
+    if getattr(module, "config", None) is not None and not getattr(module, "_striped_sp_enabled", False):
+        raise ValueError(
+            f"{type(module).__name__}: attn_implementation='striped_sp' on a model that enable_hf_attention did not "
+            "set up (from_pretrained(..., attn_implementation='striped_sp') or set_attn_implementation alone): call "
+            "striped_sp.deepspeed.enable_hf_attention(model, group) on it (it also wraps a hybrid's other token "
+            "mixers, which would otherwise run on the local tokens only)")
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by the ring engine; use 0.0")
     if inside_gathered_mixer() is not None:
@@ -236,7 +260,9 @@ def hf_attention_forward(
         window = hf_window(kwargs.get("sliding_window"), causal)
         cu_seqlens = _boundaries(kwargs)
         position_ids = kwargs.get("position_ids")
-        if settings.check_positions and position_ids is not None and getattr(module, "layer_idx", 0) == 0:
+        first = _CHECK_PENDING[0] or getattr(module, "layer_idx", 0) == 0
+        _CHECK_PENDING[0] = False
+        if settings.check_positions and position_ids is not None and first:
             _check_positions(position_ids, query.size(2), settings, cu_seqlens)
         request = settings.request(causal, scaling, window, kwargs.get("softcap"))
         if cu_seqlens is not None:

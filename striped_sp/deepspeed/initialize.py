@@ -79,8 +79,16 @@ def _is_hf_model(model) -> bool:
 def check_model(model, settings: ContextParallelSettings) -> None:
     """What a model must be for ``settings``, checked where a route is built, before any
     collective: its heads against ``ulysses_size`` (:func:`check_model_heads`) and, for a
-    transformers model, no token mixer the ring does not run (:func:`.mixers.check_model_mixers`)."""
+    transformers model, no token mixer the ring does not run (:func:`.mixers.check_model_mixers`).
+    Without context parallelism: not a model an earlier call set up for it (nothing undoes that)."""
     if not settings.enabled:
+        if _is_hf_model(model) and getattr(model.config, "_attn_implementation", None) == "striped_sp":
+            raise ValueError(
+                f"sequence_parallel_size={settings.sequence_parallel_size}, but the model was set up for context "
+                "parallelism by an earlier striped_sp.deepspeed.initialize / enable_hf_attention "
+                "(attn_implementation='striped_sp', a hybrid's mixers wrapped, the loss hooks on its group), which "
+                "a call without it does not undo: build or load the model again (from_pretrained gives the plain "
+                "model)")
         return
     check_model_heads(model, settings)
     if _is_hf_model(model):
@@ -206,10 +214,12 @@ def adapt_model(model: torch.nn.Module, settings: ContextParallelSettings, group
         handle.remove()
     handles = []
     if _is_hf_model(model):
+        model._striped_sp_hooks = []
         enable_hf_attention(model, groups.group, settings.layout, settings.backend, ulysses_groups=hierarchical)
         handles.append(model.register_forward_pre_hook(shifted_labels_pre_hook(groups.group), with_kwargs=True))
         handles.append(model.register_forward_hook(global_loss_hook(groups.group), with_kwargs=True))
         model._striped_sp_hooks = handles
+        model._striped_sp_hooks_group = groups.group  # enable_hf_attention refuses another group after this
     elif not ours:
         warnings.warn(
             "sequence_parallel_size > 1 but the model has no DistributedAttention module and is not a "
@@ -270,7 +280,7 @@ def initialize(
         raise ValueError("mesh_param and sequence_parallel_size > 1 do not mix: the SP groups come from the config")
     if settings.enabled:
         check_sequence_parallel_settings(cfg, model)
-        check_model(model, settings)
+    check_model(model, settings)
     skip_cpu_shm_comm_build()
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
