@@ -4,9 +4,9 @@ each against a copy of the plain model run at SP=1 with transformers' own attent
 every gradient to 1e-4, summed over the group as DeepSpeed does).
 
 * ``enable_hf_attention(model, group)`` twice: as once (one mask hook, each mixer wrapped once);
-* enabled again with another layout (striped -> zigzag) or another group (the 2 ranks -> each rank
-  alone, and back): the later call wins, attention and mixers alike, and runs exact under it; a
-  batch sharded for the old layout is refused by name (its positions);
+* enabled again with another layout (striped -> zigzag), another group (the 2 ranks -> each rank
+  alone, and back) or without its Ulysses groups: the later call wins, attention and mixers alike,
+  and runs exact under it; a batch sharded for the old layout is refused by name (its positions);
 * ``copy.deepcopy`` of an enabled hybrid: the copy's mixers run the copy's weights;
 * ``save_pretrained`` after enabling writes the plain model's files (same config.json, same tensors
   under the same names); ``from_pretrained`` gives the plain model (transformers' default attention,
@@ -143,6 +143,21 @@ def _case_regroup(kind):
     _check(model, ref)
 
 
+def _case_ulysses(kind):
+    import striped_sp
+    from striped_sp.deepspeed import enable_hf_attention, hf
+
+    model = _model(kind)
+    ref = _plain(model)
+    groups = striped_sp.ulysses_ring_groups([list(range(dist.get_world_size()))], 2)
+    enable_hf_attention(model, None, "striped", ulysses_groups=groups)  # Ulysses over both ranks
+    assert hf._ACTIVE.ulysses_groups == groups
+    _check(model, ref)
+    enable_hf_attention(model, None, "zigzag")  # the plain ring, another layout
+    assert hf._ACTIVE.ulysses_groups is None
+    _check(model, ref, "zigzag")
+
+
 def _case_deepcopy(kind):
     from striped_sp.deepspeed import enable_hf_attention
 
@@ -238,7 +253,7 @@ CASES = []
 for _kind in ("llama", "lfm2"):
     CASES += [(f"{_kind}_twice", _case_twice, (_kind,)), (f"{_kind}_relayout", _case_relayout, (_kind,)),
               (f"{_kind}_regroup", _case_regroup, (_kind,)), (f"{_kind}_save_reload", _case_save_reload, (_kind,))]
-CASES += [("lfm2_deepcopy", _case_deepcopy, ("lfm2",))]
+CASES += [("lfm2_ulysses_then_ring", _case_ulysses, ("lfm2",)), ("lfm2_deepcopy", _case_deepcopy, ("lfm2",))]
 CASES += [("lfm2_deepspeed_checkpoint", _case_deepspeed_checkpoint, ("lfm2",))]  # last: DeepSpeed's groups
 
 
