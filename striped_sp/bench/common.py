@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 import torch
 
 __all__ = ["DTYPES", "pick_device", "pick_dtype", "sync", "clock_for", "time_once", "time_call", "progress", "median",
-           "load_average", "spawn_ranks", "init_rank"]
+           "load_average", "spawn_ranks", "init_rank", "random_qkv", "start_clocks", "since"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +61,18 @@ def time_once(fn: Callable[[], object], device: torch.device, clock: Callable[[]
     return clock() - t0
 
 
+def start_clocks() -> tuple[float, float]:
+    """Wall time and this process's CPU time now, for :func:`since`."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float], device: torch.device) -> torch.Tensor:
+    """Seconds since ``start`` (:func:`start_clocks`) as a float tensor ``[wall, cpu]`` on ``device``, for
+    a reduction over the ranks: the wall time, and the process's CPU time (its threads, gloo's copies
+    included), which under load from other jobs on a shared machine still ranks the busiest rank."""
+    return torch.tensor([time.perf_counter() - start[0], time.process_time() - start[1]], device=device)
+
+
 def time_call(fn: Callable[[], object], device: torch.device, reps: int = 3, long_s: float = 1.0,
               clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs after one warm-up run (never counted).
@@ -70,6 +82,18 @@ def time_call(fn: Callable[[], object], device: torch.device, reps: int = 3, lon
     first = time_once(fn, device, clock)
     want = max(2, reps // 2) if first > long_s else reps
     return median([time_once(fn, device, clock) for _ in range(want)])
+
+
+def random_qkv(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, device, dtype: torch.dtype,
+               generator: torch.Generator | None = None, grad: bool = True) -> tuple:
+    """Random ``q, k, v, dout`` of ``[batch, tokens, h, head_dim]`` (``h``: ``heads`` for q and dout,
+    ``kv_heads`` for k and v), drawn in float32 on the CPU in that order (from ``generator``, else the
+    global RNG) and moved to ``device`` / ``dtype``; q, k and v require grad when ``grad``."""
+    q, k, v, dout = (torch.randn((batch, tokens, h, head_dim), generator=generator).to(device, dtype)
+                     for h in (heads, kv_heads, kv_heads, heads))
+    if grad:
+        q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    return q, k, v, dout
 
 
 def progress(iterable, total: int | None = None, desc: str = "", enabled: bool = True):
@@ -95,7 +119,8 @@ def load_average() -> str:
 
 def spawn_ranks(target: Callable, args: tuple, world_size: int, timeout_s: float, what: str) -> dict:
     """Run ``target(rank, *args, init_file, results)`` in ``world_size`` spawned processes and
-    collect what each puts on ``results``: ``("ok", rank, payload)`` or ``("error", rank, text)``.
+    collect what each puts on ``results``: ``("ok", rank, payload)``, or ``("error", rank, text)``, which
+    an exception out of ``target`` puts there (its traceback: :func:`_report_errors`).
 
     ``init_file`` is a fresh file for ``init_method="file://..."``.  Returns ``{rank: payload}``;
     the first error (or no result within ``timeout_s``) raises ``RuntimeError`` naming ``what``,
@@ -111,7 +136,8 @@ def spawn_ranks(target: Callable, args: tuple, world_size: int, timeout_s: float
     got, errors = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
-        procs = [ctx.Process(target=target, args=(r, *args, init_file, results)) for r in range(world_size)]
+        procs = [ctx.Process(target=_report_errors, args=(target, r, *args, init_file, results))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         try:
@@ -131,6 +157,17 @@ def spawn_ranks(target: Callable, args: tuple, world_size: int, timeout_s: float
     if errors:
         raise RuntimeError(f"{what} failed:\n" + "\n".join(errors))
     return got
+
+
+def _report_errors(target: Callable, rank: int, *args) -> None:
+    """A process of :func:`spawn_ranks`: ``target(rank, *args)``, an exception reported to the parent as
+    ``("error", rank, traceback)`` on the results queue (the last of ``args``)."""
+    try:
+        target(rank, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        args[-1].put(("error", rank, traceback.format_exc()))
 
 
 def init_rank(rank: int, world_size: int, device_type: str, init_file: str, timeout_s: float,

@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import traceback
 
 import torch
 
-from .common import init_rank, median, spawn_ranks
+from .common import init_rank, median, spawn_ranks, time_once
 
 __all__ = ["HybridCostConfig", "MIXERS", "gather_bytes", "mixer_module", "measure", "register"]
 
@@ -99,10 +98,7 @@ def mixer_module(name: str, hidden: int, dtype=torch.float32) -> torch.nn.Module
     raise ValueError(f"mixer {name!r}: expected one of {', '.join(MIXERS)}")
 
 
-def _timed(fn, clock) -> float:
-    t0 = clock()
-    fn()
-    return clock() - t0
+_CPU = torch.device("cpu")  # mixer_times runs on the CPU: time_once's syncs are no-ops
 
 
 def mixer_times(cfg: HybridCostConfig, lengths) -> dict:
@@ -122,9 +118,9 @@ def mixer_times(cfg: HybridCostConfig, lengths) -> dict:
             for i in range(cfg.reps + 1):
                 xi = x.clone().requires_grad_()
                 box = {}
-                tf = _timed(lambda: box.setdefault("y", mod(xi)), time.process_time)
+                tf = time_once(lambda: box.setdefault("y", mod(xi)), _CPU, time.process_time)
                 y = box["y"][0] if isinstance(box["y"], tuple) else box["y"]
-                tb = _timed(lambda: y.backward(g), time.process_time)
+                tb = time_once(lambda: y.backward(g), _CPU, time.process_time)
                 mod.zero_grad(set_to_none=True)
                 if i:
                     fwd.append(tf)
@@ -151,10 +147,8 @@ def _count_ring_bytes():
 
 
 def _worker(rank, cfg: HybridCostConfig, world_size: int, device_type: str, init_file, results):
-    try:
-        results.put(("ok", rank, _worker_body(rank, cfg, world_size, device_type, init_file)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put(("error", rank, traceback.format_exc()))
+    """spawn_ranks' target: the rank's records (its errors go to the parent by spawn_ranks)."""
+    results.put(("ok", rank, _worker_body(rank, cfg, world_size, device_type, init_file)))
 
 
 def _worker_body(rank, cfg: HybridCostConfig, n: int, device_type: str, init_file) -> list[dict]:

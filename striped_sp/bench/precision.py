@@ -14,13 +14,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import os
-import queue
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .common import random_qkv, spawn_ranks
 
 __all__ = ["PrecisionConfig", "measure"]
 
@@ -39,8 +37,8 @@ class PrecisionConfig:
 
 def _reference(cfg: PrecisionConfig):
     gen = torch.Generator().manual_seed(cfg.seed)
-    shape = (1, cfg.tokens, cfg.heads, cfg.head_dim)
-    q, k, v, dout = (torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(4))
+    q, k, v, dout = random_qkv(1, cfg.tokens, cfg.heads, cfg.heads, cfg.head_dim, "cpu", torch.bfloat16, gen,
+                               grad=False)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", qr, kr) / math.sqrt(cfg.head_dim)
     pos = torch.arange(cfg.tokens)
@@ -70,8 +68,7 @@ def _worker(rank, n, cfg, init_file, results):
             dist.all_reduce(sq)
             errs.append(math.sqrt(sq[0].item() / sq[1].item()))
         out[name] = errs
-    if rank == 0:
-        results.put(out)
+    results.put(("ok", rank, out))  # the same on every rank (the errors are summed over the ranks)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -82,23 +79,10 @@ def measure(cfg: PrecisionConfig) -> list[dict]:
     from .common import progress
 
     records = []
-    ctx = mp.get_context("spawn")
     for n in progress(cfg.world_sizes, total=len(cfg.world_sizes), desc="precision N", enabled=cfg.progress):
         if cfg.tokens % n:
             raise ValueError(f"tokens={cfg.tokens} must divide by every world size (got {n})")
-        results = ctx.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_worker, args=(r, n, cfg, os.path.join(tmp, "pg"), results), daemon=True)
-                     for r in range(n)]
-            for p in procs:
-                p.start()
-            try:
-                got = results.get(timeout=600)
-            except queue.Empty:
-                raise RuntimeError(f"no result from {n} ranks") from None
-            finally:
-                for p in procs:
-                    p.join(timeout=60)
+        got = spawn_ranks(_worker, (n, cfg), n, 600, f"bench precision N={n}")[0]
         for name, (dq, dk, dv) in got.items():
             records.append({"world_size": n, "grad_comm_dtype": name, "dq": dq, "dk": dk, "dv": dv})
     return records

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 from ..engine.request import ring_attention
 from ..kernels import resolve_kernel
 from ..plan.layouts import get_layout
-from .common import init_rank, median, pick_dtype, progress, spawn_ranks, sync
+from .common import init_rank, median, pick_dtype, progress, random_qkv, since, spawn_ranks, start_clocks, sync
 from .docs import workload
 from .memory import MemoryPeak, tensor_bytes
 from .mixed import check_global_every
@@ -103,9 +102,7 @@ def _warm_process(cfg: RunConfig, group, device, dtype, memory: bool) -> None:
     n, kvh = cfg.world_size, cfg.kv_heads or cfg.heads
 
     def small(local):
-        q, k, v, dout = (torch.randn(1, local, h, cfg.head_dim).to(device, dtype)
-                         for h in (cfg.heads, kvh, kvh, cfg.heads))
-        return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+        return random_qkv(1, local, cfg.heads, kvh, cfg.head_dim, device, dtype)
 
     for lay in cfg.layouts:
         local = 2 * get_layout(lay).seq_multiple  # zigzag's two chunks; a stripe size's multiple
@@ -124,13 +121,6 @@ def _warm_process(cfg: RunConfig, group, device, dtype, memory: bool) -> None:
             pass
     sync(device)
     dist.barrier()
-
-
-def _worker(rank, cfg: RunConfig, device_type, init_file, results):
-    try:
-        _worker_body(rank, cfg, device_type, init_file, results)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put(("error", rank, traceback.format_exc()))
 
 
 def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
@@ -157,12 +147,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
             for lay in cfg.layouts:
                 get_layout(lay).check_seq_len(seq, n_ranks)
 
-            def rnd(h, n=n):
-                x = torch.randn((cfg.batch, n, h, cfg.head_dim), generator=gen)
-                return x.to(device, dtype)
-
-            q, k, v, dout = rnd(cfg.heads).requires_grad_(), rnd(kvh).requires_grad_(), \
-                rnd(kvh).requires_grad_(), rnd(cfg.heads)
+            q, k, v, dout = random_qkv(cfg.batch, n, cfg.heads, kvh, cfg.head_dim, device, dtype, gen)
             impls, inputs, padding = {}, {}, {}
             for lay in cfg.layouts:
                 mask_kw, inputs[lay] = {}, (q, k, v, dout)
@@ -174,8 +159,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                     padding[lay] = work.padding_tokens
                     if work.local_len != n:  # zigzag's padded row
                         m = work.local_len
-                        inputs[lay] = (rnd(cfg.heads, m).requires_grad_(), rnd(kvh, m).requires_grad_(),
-                                       rnd(kvh, m).requires_grad_(), rnd(cfg.heads, m))
+                        inputs[lay] = random_qkv(cfg.batch, m, cfg.heads, kvh, cfg.head_dim, device, dtype, gen)
                         notes[(seq, lay)] = f"{work.padding_tokens} padding tokens"
                 impls[lay] = (lambda a, b, c, lay=lay, kw=mask_kw: ring_attention(
                     a, b, c, group, layout=lay, backend=cfg.backend, **kw), lay)
@@ -208,7 +192,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
             tracker = MemoryPeak(device) if memory and it == 0 else contextlib.nullcontext()
             dist.barrier()
             clock.t, clock.phase = {}, "fwd"
-            t0, c0 = time.perf_counter(), time.process_time()
+            start = start_clocks()
             try:
                 with tracker:
                     if cfg.profile and name in cfg.layouts and not (cfg.docs or cfg.window):
@@ -221,9 +205,7 @@ def _worker_body(rank, cfg: RunConfig, device_type, init_file, results):
                     raise
                 failed += 1
                 notes[(seq, name)] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            # wall time, and the process's CPU time (its threads, gloo's copies included): under load
-            # from other jobs on a shared machine the busiest rank's CPU time still ranks plans
-            dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], device=device)
+            dt = since(start, device)  # wall and CPU time: under load the busiest rank's CPU time ranks plans
             dist.all_reduce(failed)
             if failed.item():
                 notes.setdefault((seq, name), "skipped: failed on another rank")
@@ -293,10 +275,7 @@ def _reference(cfg: RunConfig, seq: int, dtype, device, kv_heads: int, mine: boo
     if mine:
         try:
             gen = torch.Generator().manual_seed(99)
-            q, k, v, dout = (torch.randn((cfg.batch, seq, h, cfg.head_dim), generator=gen).to(device, dtype)
-                             for h in (cfg.heads, kv_heads, kv_heads, cfg.heads))
-            for t in (q, k, v):
-                t.requires_grad_()
+            q, k, v, dout = random_qkv(cfg.batch, seq, cfg.heads, kv_heads, cfg.head_dim, device, dtype, gen)
 
             def sdpa(q, k, v):
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -346,7 +325,7 @@ def run(cfg: RunConfig):
         check_global_every(list(cfg.global_every), cfg.window)
         if cfg.ulysses_sizes or cfg.profile:
             raise ValueError("global_every (--global-every) combines with neither ulysses_sizes nor profile")
-    got = spawn_ranks(_worker, (cfg, device_type), cfg.world_size, cfg.timeout_s, "bench run")
+    got = spawn_ranks(_worker_body, (cfg, device_type), cfg.world_size, cfg.timeout_s, "bench run")
     records, notes, _ = got[0]
     for r in records:  # the placement each striped layout with parameters chose, and its prediction
         if r["impl"].split(GLOBAL_SUFFIX)[0] in cfg.layouts:

@@ -140,6 +140,14 @@ def sim_kernel(cfg: SimConfig) -> Kernel:
     return _AsBshd(kernel) if cfg.tensor_format == "bshd" and kernel.tensor_format != "bshd" else kernel
 
 
+def sim_setup(cfg: SimConfig) -> tuple[torch.Generator, Kernel]:
+    """What every sweep of ``bench sim`` starts from (dense or masked): ``cfg.threads`` compute threads on
+    a CPU, the inputs' generator (seed 0, on the device) and the kernel (:func:`sim_kernel`)."""
+    if cfg.device.type == "cpu" and cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return torch.Generator(device=cfg.device).manual_seed(0), sim_kernel(cfg)
+
+
 def ring_plans(cfg: SimConfig, request: RingRequest, world_size: int, local_len: int, kernel: Kernel) -> list:
     """Every rank's plan for ``request`` (built once, reused by every run), with the strict block
     form of ``cfg`` (``ValueError`` for ``"aligned"`` on a kernel that cannot run it)."""
@@ -266,10 +274,7 @@ def simulate(cfg: SimConfig) -> list[dict]:
     for n_ranks, seq in points:
         for layout in cfg.layouts:
             get_layout(layout).check_seq_len(seq, n_ranks)
-    if cfg.device.type == "cpu" and cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    gen = torch.Generator(device=cfg.device).manual_seed(0)
-    kernel = sim_kernel(cfg)
+    gen, kernel = sim_setup(cfg)
     crits: dict = {}
     refs: dict = {}
     for n_ranks, seq in progress(points, total=len(points), desc="sim", enabled=cfg.progress):

@@ -11,14 +11,12 @@ when a link bandwidth is given).  The single-device baseline runs the whole row 
 
 from __future__ import annotations
 
-import torch
-
 from ..engine.request import RingRequest
 from .common import progress
 from .docs import workload
 from .report import plan_report
 from .sim import (PASSES, Bar, SimConfig, random_inputs, reference_calls, reference_seconds, ring_calls, ring_plans,
-                  sim_kernel, time_rings)
+                  sim_setup, time_rings)
 
 __all__ = ["simulate_masked", "masked_request"]
 
@@ -34,10 +32,7 @@ def simulate_masked(cfg: SimConfig, tokens_per_rank: list[int], docs: str | None
     """JSON records ``{"layout", "world_size", "seq_len", "tokens_per_rank", "docs", "window",
     "padding_tokens", "pass", "critical_path_ms", "speedup_vs_contiguous", "speedup_vs_zigzag",
     "efficiency"}`` for every (N, tokens per rank, pass, layout)."""
-    if cfg.device.type == "cpu" and cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    gen = torch.Generator(device=cfg.device).manual_seed(0)
-    kernel = sim_kernel(cfg)
+    gen, kernel = sim_setup(cfg)
     points = [(n, t) for n in cfg.world_sizes for t in tokens_per_rank]
     results = {}
     for n_ranks, tpr in progress(points, total=len(points), desc="sim", enabled=cfg.progress):
