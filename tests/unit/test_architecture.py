@@ -1,6 +1,7 @@
 """The house rules of docs/architecture.md, read from the source: layers import downwards only
 (kernels <- plan <- engine <- adapters and tools), the core never imports a framework, no module
-imports one that imports it back (lazy imports inside functions included)."""
+imports one that imports it back (lazy imports inside functions included), and no module grows past
+MAX_LINES lines unless LONG_MODULES says why it stays one file."""
 
 from __future__ import annotations
 
@@ -123,3 +124,28 @@ def test_kernel_backends_import_no_layer_above():
     for path in sorted((PKG / "kernels").glob("*.py")):
         deps = {d for d in _imports(path) if d.startswith("striped_sp")}
         assert all(d.startswith("striped_sp.kernels") for d in deps), (path.name, deps)
+
+
+#: a module of the package past this many lines does more than one job: split it by what its parts do
+#: (docs/architecture.md's map), or list it in LONG_MODULES with the reason it stays whole
+MAX_LINES = 450
+#: modules allowed past MAX_LINES (path under striped_sp/ -> why one file)
+LONG_MODULES = {
+    "kernels/torch_sdpa.py": "one kernel: PyTorch's fused ops, each op's gate transcribing PyTorch's own "
+                             "(sdp_utils.cpp) beside the call it guards",
+    "kernels/native.py": "one compile step: the varlen programs' rewrites (staircases, window edges, launch "
+                         "sets) are stages of one pass over a plan's calls",
+    "megatron/arguments.py": "one flag's checks (--context-parallel-algo and every setting it must agree with)",
+}
+
+
+def _long_modules() -> dict[str, int]:
+    sizes = {path.relative_to(PKG).as_posix(): len(path.read_text().splitlines()) for path in PKG.rglob("*.py")}
+    return {path: lines for path, lines in sizes.items() if lines > MAX_LINES}
+
+
+def test_no_module_outgrows_one_job_unlisted():
+    long = _long_modules()
+    unlisted = {path: lines for path, lines in long.items() if path not in LONG_MODULES}
+    assert not unlisted, (f"modules over {MAX_LINES} lines: split them by what their parts do (one job a module, "
+                          f"docs/architecture.md's map) or list them in LONG_MODULES with a reason: {unlisted}")
