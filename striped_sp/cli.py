@@ -26,14 +26,14 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import fit, hier, hybrid_cost, overhead, precision, train
+    from .bench import fit, hier, hybrid_cost, hybrid_split, overhead, precision, train
     from .bench.cli_args import Formatter, add_balance, add_run, add_sim
 
     p = argparse.ArgumentParser(prog="striped-sp", description=__doc__, formatter_class=Formatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{bench,patch}")
-    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision, train, overhead, hybrid, fit",
+    bench = sub.add_parser("bench", help="benchmarks: balance, sim, run, hier, precision, train, overhead, hybrid, hybrid-split, fit",
                            description="Benchmarks and models; `striped-sp bench MODE --help` for a mode's options.")
-    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision,train,overhead,hybrid,fit}")
+    modes = bench.add_subparsers(dest="mode", required=True, metavar="{balance,sim,run,hier,precision,train,overhead,hybrid,hybrid-split,fit}")
     add_balance(modes)
     add_sim(modes)
     add_run(modes)
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.register(modes)
     overhead.register(modes)
     hybrid_cost.register(modes)
+    hybrid_split.register(modes)
     fit.register(modes)
     _patch_parser(sub)
     for parser in (p, bench, *modes.choices.values(), *sub.choices.values()):
@@ -388,7 +389,7 @@ def main(argv=None) -> int:
         name, handler = "striped-sp patch", _patch
     else:
         name = f"striped-sp bench {args.mode}"
-        handler = args.run if args.mode in ("hier", "precision", "train", "overhead", "hybrid", "fit") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
+        handler = args.run if args.mode in ("hier", "precision", "train", "overhead", "hybrid", "hybrid-split", "fit") else {"balance": _balance, "sim": _sim, "run": _run}[args.mode]
     if getattr(args, "plot", None):  # before the work, not after it
         from .bench.report import check_plotting
 

@@ -31,7 +31,7 @@ import torch
 from ..engine.natural_order import gather_natural, natural_order, take_local
 from ..plan.layouts import get_layout
 from .mixers import UnhandledMixer, unhandled_mixers
-from .split import split_or_reason
+from .split import find_split, split_or_reason
 
 __all__ = ["wrap_mixers", "inside_gathered_mixer", "mixer_modes", "mixer_summary"]
 
@@ -54,9 +54,10 @@ def _hidden_states(args, kwargs):
 
 def _per_token(value, x: torch.Tensor) -> bool:
     """A tensor of the mixer's other arguments that holds one entry per local token
-    (``position_ids``, ``seq_idx``): ``[b, S/N, ...]`` like the hidden states."""
+    (``position_ids``, ``seq_idx``): ``[b, S/N, ...]`` like the hidden states, or ``[1, S/N, ...]``
+    shared by the batch's rows (as transformers builds ``position_ids`` when none are given)."""
     return (isinstance(value, torch.Tensor) and value is not x and value.dim() >= 2
-            and value.size(0) == x.size(0) and value.size(1) == x.size(1))
+            and value.size(0) in (1, x.size(0)) and value.size(1) == x.size(1))
 
 
 #: names a mixer's forward takes besides hidden_states that the split forms handle themselves
@@ -155,13 +156,25 @@ def wrap_mixers(model: torch.nn.Module, settings_of) -> list[UnhandledMixer]:
     hidden = getattr(text, "hidden_size", None)
     modules = dict(model.named_modules())
     for mixer in found:
-        module = modules[mixer.path]
+        path, module = mixer_module(modules, mixer.path)
         module._striped_sp_settings_of = settings_of
         if getattr(module.forward, "_striped_sp_mixer", None) is None:
             inner = module.forward
-            module.forward = types.MethodType(method(mixer.path, inner, getattr(inner, "__self__", None) is module),
+            module.forward = types.MethodType(method(path, inner, getattr(inner, "__self__", None) is module),
                                               module)
     return []
+
+
+def mixer_module(modules: dict, path: str) -> tuple[str, torch.nn.Module]:
+    """The module to wrap for the mixer found at ``path`` (a decoder layer's child): itself, or where
+    it has no split form and exactly one module inside it has one (Zamba2's hybrid layer holds its
+    Mamba2 mixer one level down), that one, so that the mixer splits instead of gathering."""
+    module = modules[path]
+    if find_split(module) is None:
+        inner = [(p, m) for p, m in modules.items() if p.startswith(path + ".") and find_split(m) is not None]
+        if len(inner) == 1:
+            return inner[0]
+    return path, module
 
 
 def mixer_modes(model: torch.nn.Module, n: int) -> list[tuple[str, str, str]]:
@@ -171,11 +184,11 @@ def mixer_modes(model: torch.nn.Module, n: int) -> list[tuple[str, str, str]]:
     modules = dict(model.named_modules())
     modes = []
     for mixer in unhandled_mixers(model):
-        module = modules.get(mixer.path)
-        if module is None:
+        if mixer.path not in modules:
             continue
+        path, module = mixer_module(modules, mixer.path)
         split, reason = split_or_reason(module, n)
-        modes.append((mixer.path, "split", split.kind) if split is not None else (mixer.path, "gathered", reason))
+        modes.append((path, "split", split.kind) if split is not None else (path, "gathered", reason))
     return modes
 
 

@@ -7,7 +7,6 @@ gloo ranks.  The reference is a copy of the model taken before anything of ours 
 at SP=1 on the whole batch with transformers' own attention.  Loss to 1e-5, every gradient to 1e-4
 (float64 where the model runs in it, else float32), after summing over the group as DeepSpeed does."""
 
-import contextlib
 import copy
 import os
 import re
@@ -21,9 +20,9 @@ import torch.distributed as dist  # noqa: E402
 pytest.importorskip("transformers")
 
 from dist_helper import check_case, run_cases  # noqa: E402
-from reference import rel_err  # noqa: E402
+from hybrid_cases import SEQ, batch as _batch, compare as _compare, exchanges as _exchanges  # noqa: E402
+from hybrid_cases import mixer_count as _mixer_count  # noqa: E402
 
-SEQ = 32
 #: float64 where the model runs in it (float32 sums of 4 ranks' gradients land near 1e-4 on a
 #: decay parameter, A_log); float32 where its MoE's grouped matmul takes no float64
 DTYPES = {"jamba": torch.float32, "granitemoehybrid": torch.float32}
@@ -36,18 +35,6 @@ def _model(model_type):
     model, why = tiny_causal_lm(model_type, **SHAPES[model_type])
     assert model is not None, (model_type, why)
     return model.to(DTYPES.get(model_type, torch.float64)).train()
-
-
-def _batch(b=2, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 100, (b, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, :2] = -100
-    return {"input_ids": ids, "labels": labels}
-
-
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _case_family(model_type, layout="striped", ulysses=1):
@@ -69,45 +56,6 @@ def _case_family(model_type, layout="striped", ulysses=1):
     _compare(model, ref, out.loss, ref_out.loss)
     # every mixer of these shapes splits over 2 and 4 ranks: one all-to-all each way, forward and backward
     assert calls == [4 * _mixer_count(model)], (calls, _mixer_count(model))
-
-
-def _mixer_count(model) -> int:
-    from striped_sp.deepspeed.mixers import unhandled_mixers
-
-    return len(unhandled_mixers(model))
-
-
-@contextlib.contextmanager
-def _exchanges():
-    """Counts the split mixers' all-to-alls (:mod:`striped_sp.engine.head_split`) while it is open."""
-    from striped_sp.engine import head_split
-
-    calls, real = [0], head_split._exchange
-
-    def counted(chunks, group):
-        calls[0] += 1
-        return real(chunks, group)
-
-    head_split._exchange = counted
-    try:
-        yield calls
-    finally:
-        head_split._exchange = real
-
-
-def _compare(model, ref, loss, ref_loss):
-    loss = loss.detach().clone()
-    dist.all_reduce(loss)  # each rank's loss is its share of the global mean
-    assert rel_err(loss, ref_loss.detach()) < 1e-5, (loss.item(), ref_loss.item())
-    ref_grads, grads = _grads(ref), _grads(model)
-    assert ref_grads.keys() == grads.keys(), set(ref_grads) ^ set(grads)
-    worst = []
-    for name, g in grads.items():
-        dist.all_reduce(g)  # DeepSpeed sums gradients over the SP group
-        err = rel_err(g, ref_grads[name])
-        if err >= 1e-4:
-            worst.append(f"{name}: {err:.2e}")
-    assert not worst, worst
 
 
 def _flattened(lengths=(5, 9, 3, 7, 8)):

@@ -72,6 +72,9 @@ class TinyModel(torch.nn.Module):
         mixer = self.layers[0]
         if mode == "keywords":
             return mixer(hidden_states=x, position_ids=position_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens, scale=0.5)
+        if mode == "shared":  # one row of positions for the whole batch, as transformers builds them
+            return mixer(hidden_states=x, position_ids=position_ids[:1], seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                         scale=0.5)
         if mode == "positional":
             return mixer(x, position_ids, seq_idx, cu_seqlens, 0.5)
         return mixer(x, position_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens, scale=0.5)  # mixed
@@ -120,7 +123,7 @@ def check_arguments_follow_the_tokens(layout, bounds):
     assert wrap_mixers(model, lambda: settings) == []
     assert getattr(mixer.forward, "_striped_sp_mixer", None) == "layers.0", "the double is not wrapped as a mixer"
     cu = None if bounds is None else torch.tensor(bounds)
-    for i, mode in enumerate(("keywords", "positional", "mixed")):
+    for i, mode in enumerate(("keywords", "positional", "mixed", "shared")):
         x, position_ids, seq_idx = _row(bounds, 1 if bounds else 2, SEED + 10 * i)
         shard = lambda t: striped_sp.shard(t, N, rank, layout=layout, cu_seqlens=bounds)  # noqa: E731
         x_local = shard(x).requires_grad_()

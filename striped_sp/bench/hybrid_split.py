@@ -1,0 +1,226 @@
+"""``striped-sp bench hybrid-split``: one hybrid mixer layer split over the group against gathered.
+
+Per mixer kind (transformers' own modules from a tiny config of width ``C``: ``short_conv``
+LFM2's short convolution, ``gated_delta`` Qwen3-Next's gated delta net, ``mamba2`` Bamba's Mamba2
+mixer, ``mamba`` Jamba's Mamba), ring size ``N`` and sequence length ``S``, on ``N`` spawned gloo
+ranks (one compute thread each), forward + backward of the layer on this rank's ``S/N`` tokens:
+
+* ``split``: the split form (:mod:`striped_sp.deepspeed.split`): one all-to-all each way, the conv
+  and scan on all ``S`` tokens for ``1/N`` of the heads / channels;
+* ``gathered``: the whole sequence gathered into natural order
+  (:func:`striped_sp.engine.natural_order.gather_natural`), the module on all ``S`` tokens, this
+  rank's tokens kept;
+* ``local``: the module on ``S/N`` tokens alone (no communication, not exact: the floor);
+* ``sp1``: the module on all ``S`` tokens in one process (the layer at SP=1), on rank 0.
+
+Figures: the busiest rank's process CPU time (median over ``--reps`` after a warm-up; the steady
+figure on a shared machine), the slowest rank's wall time, the largest peak of tensor memory over
+the ranks (:class:`~striped_sp.bench.memory.MemoryPeak`, one extra repetition), and the bytes each
+rank sends: the all-to-alls' (what leaves the rank: ``(N - 1) / N`` of what it hands
+``all_to_all_single``), Mamba's all-reduce of ``S x (dt_rank + 2 d_state)`` per direction as a ring
+all-reduce moves it, and the gather's (``bench hybrid``'s formula).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from .common import init_rank, load_average, median, spawn_ranks
+from .hybrid_cost import gather_bytes
+
+__all__ = ["HybridSplitConfig", "KINDS", "mixer_of", "measure", "register"]
+
+KINDS = ("short_conv", "gated_delta", "mamba2", "mamba")
+MODES = ("split", "gathered", "local", "sp1")
+
+
+@dataclasses.dataclass
+class HybridSplitConfig:
+    kinds: tuple = KINDS
+    world_sizes: tuple = (2, 4)
+    seq_lens: tuple = (4096, 16384)
+    hidden: int = 256
+    reps: int = 3
+    seed: int = 0
+    timeout_s: float = 1800.0
+
+
+def mixer_of(kind: str, hidden: int) -> torch.nn.Module:
+    """transformers' mixer module of ``kind`` at width ``hidden`` (float32, seeded by the caller)."""
+    from .hybrid_cost import mixer_module
+
+    if kind in ("short_conv", "gated_delta"):
+        return mixer_module(kind, hidden)
+    if kind == "mamba2":
+        from transformers import BambaConfig
+        from transformers.models.bamba.modeling_bamba import BambaMixer
+
+        config = BambaConfig(hidden_size=hidden, num_hidden_layers=1, mamba_n_heads=hidden * 2 // 64, mamba_d_head=64,
+                             mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=256, mamba_expand=2,
+                             num_attention_heads=4, num_key_value_heads=4, attn_layer_indices=[])
+        return BambaMixer(config, 0)
+    if kind == "mamba":
+        from transformers import JambaConfig
+        from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+
+        config = JambaConfig(hidden_size=hidden, num_hidden_layers=1, mamba_d_state=16, mamba_expand=2,
+                             num_attention_heads=4, num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1)
+        return JambaMambaMixer(config, 0)
+    raise ValueError(f"mixer kind {kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def _count_exchange_bytes():
+    """Patch the split mixers' all-to-all in this process to count the bytes handed to it."""
+    from ..engine import head_split
+
+    counter = {"bytes": 0}
+    real = head_split._exchange
+
+    def counted(chunks, group):
+        counter["bytes"] += chunks.numel() * chunks.element_size()
+        return real(chunks, group)
+
+    head_split._exchange = counted
+    return counter
+
+
+def _worker(rank, cfg: HybridSplitConfig, n: int, device_type: str, init_file, results):
+    results.put(("ok", rank, _worker_body(rank, cfg, n, init_file)))
+
+
+def _runner(mode: str, module, split, order, n: int):
+    import torch.distributed as dist
+
+    from ..engine.natural_order import gather_natural, take_local
+
+    group = dist.group.WORLD
+    if mode == "split":
+        return lambda x: split.run(x, group, order, {})
+    if mode == "gathered":
+        return lambda x: take_local(module(gather_natural(x, group, order)), order)
+    return module
+
+
+def _worker_body(rank, cfg: HybridSplitConfig, n: int, init_file) -> list[dict]:
+    import torch.distributed as dist
+
+    from ..deepspeed.split import find_split
+    from ..engine.natural_order import natural_order
+    from .memory import MemoryPeak
+
+    init_rank(rank, n, "cpu", init_file, cfg.timeout_s, threads=1)
+    counter = _count_exchange_bytes()
+    records = []
+    for kind in cfg.kinds:
+        torch.manual_seed(cfg.seed)
+        module = mixer_of(kind, cfg.hidden).train()
+        split = find_split(module)
+        for seq in cfg.seq_lens:
+            order = natural_order(seq, n, rank, "striped")
+            gen = torch.Generator().manual_seed(cfg.seed + rank)
+            modes = MODES if rank == 0 else MODES[:3]
+            rec = {"kind": kind, "world_size": n, "seq_len": seq, "hidden": cfg.hidden, "reps": cfg.reps}
+            for mode in MODES:
+                tokens = seq if mode == "sp1" else seq // n
+                x = torch.randn(1, tokens, cfg.hidden, generator=gen)
+                g = torch.randn(1, tokens, cfg.hidden, generator=gen)
+                run = _runner(mode, module, split, order, n)
+                cpu, wall, sent = [], [], 0
+                for i in range(cfg.reps + 1):
+                    dist.barrier()
+                    if mode not in modes:
+                        continue
+                    xi = x.clone().requires_grad_()
+                    c0, t0, b0 = time.process_time(), time.perf_counter(), counter["bytes"]
+                    run(xi).backward(g)
+                    if i:
+                        cpu.append(time.process_time() - c0)
+                        wall.append(time.perf_counter() - t0)
+                        sent = counter["bytes"] - b0
+                    module.zero_grad(set_to_none=True)
+                peak = 0
+                dist.barrier()
+                if mode in modes:
+                    xi = x.clone().requires_grad_()
+                    with MemoryPeak("cpu") as mem:
+                        run(xi).backward(g)
+                    module.zero_grad(set_to_none=True)
+                    peak = mem.peak
+                stats = torch.tensor([median(cpu) if cpu else 0.0, median(wall) if wall else 0.0, float(peak)],
+                                     dtype=torch.float64)
+                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+                rec[f"{mode}_cpu_ms"], rec[f"{mode}_ms"] = stats[0].item() * 1e3, stats[1].item() * 1e3
+                rec[f"{mode}_peak_mib"] = stats[2].item() / 2**20
+                if mode == "split":
+                    rec["split_bytes"] = sent * (n - 1) // n
+            if kind == "mamba":  # the all-reduce of x_proj's partial sums, forward and backward
+                m = module
+                width = m.time_step_rank + 2 * m.ssm_state_size
+                rec["split_bytes"] += 2 * 2 * (n - 1) * seq * width * 4 // n
+            rec["gather_bytes"] = sum(v for k, v in gather_bytes(seq, n, cfg.hidden, 4).items() if k != "gather_bwd_bytes")
+            records.append(rec)
+    dist.barrier()
+    dist.destroy_process_group()
+    return records
+
+
+def measure(cfg: HybridSplitConfig) -> list[dict]:
+    """One record per (kind, N, S) (module docstring); ratios against ``sp1``."""
+    for kind in cfg.kinds:
+        if kind not in KINDS:
+            raise ValueError(f"mixer kind {kind!r}: expected one of {', '.join(KINDS)}")
+    for n in cfg.world_sizes:
+        for s in cfg.seq_lens:
+            if s % n:
+                raise ValueError(f"seq_len {s} does not divide by N={n}")
+    records = []
+    for n in cfg.world_sizes:
+        records += spawn_ranks(_worker, (cfg, n, "cpu"), n, cfg.timeout_s, f"bench hybrid-split N={n}")[0]
+    for r in records:
+        n = r["world_size"]
+        r["split_cpu_x_n_over_sp1"] = r["split_cpu_ms"] * n / r["sp1_cpu_ms"]
+        r["split_peak_x_n_over_sp1"] = r["split_peak_mib"] * n / r["sp1_peak_mib"]
+        r["gathered_over_split_cpu"] = r["gathered_cpu_ms"] / r["split_cpu_ms"]
+    return records
+
+
+COLUMNS = [("kind", "mixer"), ("world_size", "N"), ("seq_len", "S"), ("sp1_cpu_ms", "SP=1 cpu ms"),
+           ("split_cpu_ms", "split cpu ms"), ("gathered_cpu_ms", "gathered cpu ms"), ("local_cpu_ms", "S/N alone cpu ms"),
+           ("split_cpu_x_n_over_sp1", "split x N / SP=1"), ("gathered_over_split_cpu", "gathered / split"),
+           ("sp1_peak_mib", "SP=1 peak MiB"), ("split_peak_mib", "split peak MiB"),
+           ("gathered_peak_mib", "gathered peak MiB"), ("split_peak_x_n_over_sp1", "split peak x N / SP=1"),
+           ("split_bytes", "split B sent"), ("gather_bytes", "gather B (gloo)")]
+
+
+def register(modes) -> None:
+    """Add ``striped-sp bench hybrid-split``."""
+    from .cli_args import _ints
+
+    p = modes.add_parser("hybrid-split", help="a hybrid's mixer layer split over the group vs gathered vs SP=1",
+                         description=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated mixer kinds ({', '.join(KINDS)})")
+    p.add_argument("--world-sizes", type=_ints, default=[2, 4], help="ranks N, one spawn each")
+    p.add_argument("--seq-lens", type=_ints, default=[4096, 16384], help="global sequence lengths S")
+    p.add_argument("--hidden", type=int, default=256, help="the model's hidden size C")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (medians)")
+    p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
+    p.set_defaults(run=_main)
+
+
+def _main(args) -> int:
+    from .report import format_table, write_json
+
+    cfg = HybridSplitConfig(kinds=tuple(k for k in args.kinds.split(",") if k), world_sizes=tuple(args.world_sizes),
+                            seq_lens=tuple(args.seq_lens), hidden=args.hidden, reps=args.reps)
+    load0 = load_average()
+    recs = measure(cfg)
+    print(f"one mixer layer, fwd+bwd, hidden {cfg.hidden}, float32, CPU, gloo, one thread per rank, layout striped; "
+          f"medians of {cfg.reps} reps;\ncpu ms: the busiest rank's CPU time; peak: the largest rank's tensor memory "
+          f"above its inputs; bytes: what one rank sends per layer;\nload average {load0} / {load_average()}\n")
+    print(format_table(recs, COLUMNS))
+    if args.json:
+        write_json(args.json, recs)
+    return 0
