@@ -19,7 +19,7 @@ from striped_sp.patch_files import PATCH_DIR, available, patch_path, read_patch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAGS = ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0"]
-MODES = ["balance", "sim", "run", "hier", "precision", "train", "overhead", "hybrid", "fit"]
+MODES = ["balance", "sim", "run", "hier", "precision", "train", "overhead", "hybrid", "hybrid-split", "fit"]
 
 
 def test_license_is_the_apache_2_text():
