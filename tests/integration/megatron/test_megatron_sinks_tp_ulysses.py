@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helper import run_cases
+from case_tests import cases_test
 from megatron_reference import compare, setup_groups
 from seeds import seed_for
 
@@ -165,12 +165,4 @@ def _cases():
 
 
 CASES = _cases()
-_results = {}
-
-
-@pytest.mark.parametrize("name", [name for name, _, _ in CASES])
-def test_megatron_sinks_split_heads_on_4_ranks(name):
-    if not _results:
-        _results.update(run_cases(4, CASES))
-    err = _results[name]
-    assert err is None, err
+test_megatron_sinks_split_heads_on_4_ranks = cases_test(4, CASES)
