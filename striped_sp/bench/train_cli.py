@@ -29,9 +29,11 @@ def register(modes) -> None:
     p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
                    help="model and row defaults (auto: paper on CUDA, cpu otherwise)")
     p.add_argument("--models", type=names(tuple(PEERS)), default=["megatron", "hf"], help="megatron, hf")
-    p.add_argument("--hf-model", choices=["llama", "lfm2"], default="llama",
-                   help="the hf path's model: llama (Mistral for the window row), or lfm2, a hybrid (layers "
-                        "alternating short convolution / attention; dense rows only, no ulysses peer)")
+    p.add_argument("--hf-model", choices=["llama", "lfm2", "qwen3_next"], default="llama",
+                   help="the hf path's model: llama (Mistral for the window row), or a hybrid (dense rows only, no "
+                        "ulysses peer): lfm2 (layers alternating short convolution / attention), qwen3_next (three "
+                        "gated delta net layers per attention layer, heads as --heads / --kv-heads); its mixers split "
+                        "over the group ($STRIPED_SP_SPLIT_MIXERS=0: gathered)")
     p.add_argument("--rows", type=names(("dense", "packed", "window")), default=["dense", "packed", "window"],
                    help="row kinds: dense, packed, window")
     p.add_argument("--world-size", type=int, default=None, help="ranks N (default: 2 on CPU, the GPUs on CUDA)")
@@ -127,8 +129,10 @@ def _main(args) -> int:
     t0 = time.time()
     recs, notes, profile = train(cfg)
     if "hf" in cfg.models and cfg.hf_model != "llama":
-        print(f"hf model: {cfg.hf_model} (layers alternating short convolution / attention, the convolutions "
-              "gathered into natural order)")
+        from ..deepspeed.hybrid import split_mixers_enabled
+
+        print(f"hf model: {cfg.hf_model} (a hybrid; its mixers "
+              f"{'split over the group' if split_mixers_enabled() else 'gathered into natural order'})")
     when = f"{time.time() - t0:.0f} s; load average before/after {load0} / {load_average()}"
     print_report(cfg, recs, notes, profile, when)
     if args.json:

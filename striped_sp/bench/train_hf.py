@@ -34,7 +34,7 @@ from .train_data import Runner, RunnerSkip, TrainRow
 __all__ = ["setup", "build_runner", "HF_MODELS", "hf_model_check"]
 
 #: ``--hf-model`` choices: the plain model (Llama; Mistral for the window row) and one hybrid
-HF_MODELS = ("llama", "lfm2")
+HF_MODELS = ("llama", "lfm2", "qwen3_next")
 
 _ALST: dict = {}  # the ALST mpu of this process (DeepSpeed allows one registration)
 
@@ -80,11 +80,11 @@ def hf_model_check(cfg) -> None:
     name = getattr(cfg, "hf_model", "llama")
     if name not in HF_MODELS:
         raise ValueError(f"--hf-model {name!r}: expected one of {', '.join(HF_MODELS)}")
-    if name == "lfm2" and "hf" in cfg.models:
+    if name != "llama" and "hf" in cfg.models:
         other = [k for k in cfg.kinds if k != "dense"]
         if other:
-            raise ValueError(f"--hf-model lfm2 runs dense rows only (got --rows {','.join(cfg.kinds)}): packed rows "
-                             "with a hybrid are refused (a mixer would scan across documents) and LFM2 has no "
+            raise ValueError(f"--hf-model {name} runs dense rows only (got --rows {','.join(cfg.kinds)}): packed rows "
+                             "with a hybrid are refused (a mixer would scan across documents) and the hybrid has no "
                              "sliding window; pass --rows dense")
 
 
@@ -125,6 +125,13 @@ def _hf_model(cfg, row: TrainRow, dtype, attn: str):
             block_auto_adjust_ff_dim=False, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
             num_key_value_heads=cfg.kv_heads, max_position_embeddings=row.seq_len, layer_types=kinds,
             tie_word_embeddings=False, use_cache=False, initializer_range=cfg.init_std))
+    elif _hybrid(cfg) == "qwen3_next":  # 3 gated delta net layers per attention layer, dense MLPs
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(cfg.layers)]
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            **common, layer_types=kinds, mlp_only_layers=list(range(cfg.layers)), linear_num_value_heads=cfg.heads,
+            linear_num_key_heads=cfg.kv_heads, linear_key_head_dim=cfg.head_dim, linear_value_head_dim=cfg.head_dim))
     elif row.window:  # Mistral: a query sees itself and sliding_window - 1 keys before it
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=row.window + 1))
     else:

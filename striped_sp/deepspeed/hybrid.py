@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 
 import torch
 
@@ -64,11 +65,20 @@ def _per_token(value, x: torch.Tensor) -> bool:
 _SPLIT_DROPS = ("cache", "cache_params", "past_key_values", "attention_mask")
 
 
+#: ``0`` runs every mixer gathered (to compare, or to rule the split out); anything else: split where it can
+SPLIT_ENV = "STRIPED_SP_SPLIT_MIXERS"
+
+
+def split_mixers_enabled() -> bool:
+    """Whether mixers split over the group (``$STRIPED_SP_SPLIT_MIXERS`` not ``0``)."""
+    return os.environ.get(SPLIT_ENV, "1").strip() != "0"
+
+
 def _split_for(module, n: int, rest: tuple, kwargs: dict):
     """The split form of ``module`` for ``n`` ranks, or ``None`` (the gather runs): no split form, the
     heads / channels do not divide, a cache (generation), positional arguments past the hidden
     states it cannot name, or a padding mask with padding."""
-    if module is None or getattr(module, "_striped_sp_split_off", False):
+    if module is None or not split_mixers_enabled():
         return None
     split, _ = split_or_reason(module, n)
     if split is None or any(a is not None for a in rest):
@@ -188,6 +198,8 @@ def mixer_modes(model: torch.nn.Module, n: int) -> list[tuple[str, str, str]]:
             continue
         path, module = mixer_module(modules, mixer.path)
         split, reason = split_or_reason(module, n)
+        if split is not None and not split_mixers_enabled():
+            split, reason = None, f"${SPLIT_ENV}=0"
         modes.append((path, "split", split.kind) if split is not None else (path, "gathered", reason))
     return modes
 
