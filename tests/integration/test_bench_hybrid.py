@@ -64,6 +64,9 @@ def test_train_hf_model_option_and_refusals():
     with pytest.raises(ValueError, match="--hf-model lfm2 runs dense rows only.*--rows dense"):
         _check(TrainConfig(models=("hf",), kinds=("dense", "packed"), hf_model="lfm2"))
     _check(TrainConfig(models=("hf",), kinds=("dense",), hf_model="lfm2"))
+    with pytest.raises(ValueError, match="--hf-model qwen3_next runs dense rows only"):
+        _check(TrainConfig(models=("hf",), kinds=("dense", "window"), hf_model="qwen3_next"))
+    assert build_parser().parse_args(["bench", "train", "--hf-model", "qwen3_next"]).hf_model == "qwen3_next"
 
 
 def test_train_lfm2_runs_and_refuses_ulysses_by_name(tmp_path):
