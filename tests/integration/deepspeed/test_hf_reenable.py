@@ -15,7 +15,8 @@ every gradient to 1e-4, summed over the group as DeepSpeed does).
 * a DeepSpeed engine (``striped_sp.deepspeed.initialize``, SP=2) saves and loads its checkpoint:
   the checkpoint's module state dict is the plain model's, and the loaded engine's model still runs
   exact (mixers wrapped, attention the ring's); ``enable_hf_attention`` on it with another group is
-  refused by name (``initialize``'s loss hooks keep its group), with another layout it re-targets;
+  refused by name (``initialize``'s loss hooks keep its group), with another layout it re-targets,
+  and so does ``initialize`` again (its hooks replaced, not added);
   ``initialize`` again at ``sequence_parallel_size: 1`` is refused by name (nothing undoes the set-up).
 
 Seen failing with the mixers' wrapper as a closure over the module's bound forward (the deep copy
@@ -217,6 +218,11 @@ def _case_save_reload(kind):
         bare(**shard_batch(_batch(), 2, dist.get_rank(), "striped"), use_cache=False)
 
 
+def _our_hooks(model):
+    hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
+    return sorted(h.__qualname__ for h in hooks if not h.__qualname__.startswith("DeepSpeedEngine"))
+
+
 def _case_deepspeed_checkpoint(kind):
     from test_deepspeed_packed import _setup as ds_setup
 
@@ -244,6 +250,12 @@ def _case_deepspeed_checkpoint(kind):
         enable_hf_attention(engine.module, _alone(), "striped")  # the loss hooks stay on initialize's group
     enable_hf_attention(engine.module, engine.context_parallel_group, "zigzag")  # the same group: re-targets
     _check(engine.module, ref, "zigzag", global_loss=True)
+    hooks = _our_hooks(model)
+    assert len(hooks) == 3, hooks  # the mask check, the shifted labels, the global loss
+    again, _, _, _ = initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                config={**config, "context_parallel": {"algo": "ring"}})  # initialize again
+    assert _our_hooks(model) == hooks  # replaced, not added (each engine adds DeepSpeed's own)
+    _check(again.module, ref, "contiguous", global_loss=True)  # ring: contiguous
     with pytest.raises(ValueError, match="was set up for context parallelism by an earlier"):  # before any message
         initialize(model=engine.module, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                    config={**config, "sequence_parallel_size": 1})
