@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
+import weakref
 
 import torch
 
@@ -65,6 +66,8 @@ def _per_token(value, x: torch.Tensor) -> bool:
 _SPLIT_DROPS = ("cache", "cache_params", "past_key_values", "attention_mask")
 
 
+#: module -> {group size: its split form or None}, filled at a mixer's first call
+_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: ``0`` runs every mixer gathered (to compare, or to rule the split out); anything else: split where it can
 SPLIT_ENV = "STRIPED_SP_SPLIT_MIXERS"
 
@@ -80,7 +83,10 @@ def _split_for(module, n: int, rest: tuple, kwargs: dict):
     states it cannot name, or a padding mask with padding."""
     if module is None or not split_mixers_enabled():
         return None
-    split, _ = split_or_reason(module, n)
+    known = _SPLITS.setdefault(module, {})
+    if n not in known:  # once per module and group size: a layer's later calls look it up
+        known[n] = split_or_reason(module, n)[0]
+    split = known[n]
     if split is None or any(a is not None for a in rest):
         return None
     if any(kwargs.get(k) is not None for k in ("cache", "cache_params", "past_key_values")):
