@@ -27,6 +27,11 @@ from test_megatron_lm_loop import megatron_lm  # noqa: F401  (fixture: tag, its 
 from test_megatron_lm_sinks import _ITERS, _RUN_TIMEOUT_S, _SINKS, _logs
 
 _PATCHED: dict = {}
+_RELEASE = _megatron_core_release()
+pytestmark = pytest.mark.skipif(
+    _RELEASE is None or _RELEASE < (0, 19),
+    reason=f"the patched route's sinks run is checked on megatron-core 0.19 (installed: {_RELEASE}); "
+           "make test-megatron MCORE=0.19.2")
 
 
 def _patched(megatron_lm, plant=None):  # noqa: F811
@@ -42,10 +47,6 @@ def _patched(megatron_lm, plant=None):  # noqa: F811
 
 
 def test_patched_pretrain_gpt_learnable_sinks_striped_cp2_logs_the_cp1_losses(megatron_lm):  # noqa: F811
-    release = _megatron_core_release()
-    if release is None or release < (0, 19):
-        pytest.skip(f"the patched route's sinks run is checked on megatron-core 0.19 (installed: {release}); "
-                    "make test-megatron MCORE=0.19.2")
     ref = _logs(1, megatron_lm)
     rc, text = _patched(megatron_lm)
     assert rc == 0, f"--softmax-type learnable, patched route, CP=2 striped failed:\n{_tail(text)}"
