@@ -31,7 +31,7 @@ import torch
 from .common import init_rank, load_average, median, spawn_ranks
 from .hybrid_cost import gather_bytes
 
-__all__ = ["HybridSplitConfig", "KINDS", "mixer_of", "measure", "register"]
+__all__ = ["HybridSplitConfig", "KINDS", "mixer_of", "measure", "predict_gdn", "register"]
 
 KINDS = ("short_conv", "gated_delta", "mamba2", "mamba")
 MODES = ("split", "gathered", "local", "sp1")
@@ -187,6 +187,32 @@ def measure(cfg: HybridSplitConfig) -> list[dict]:
     return records
 
 
+#: Qwen3-Next-80B-A3B's shapes (its config.json): hidden, value heads, key heads, head dims, attention kv heads x dim
+QWEN3_NEXT = dict(hidden=2048, value_heads=32, key_heads=16, key_dim=128, value_dim=128, kv_heads=2, head_dim=256)
+
+
+def predict_gdn(seq_len: int, n: int, hidden: int, value_heads: int, key_heads: int, key_dim: int, value_dim: int,
+                kv_heads: int, head_dim: int, element_size: int = 2) -> dict:
+    """Per rank and gated delta net layer, computed from the shapes (no measurement): bytes sent forward +
+    backward split (the cut's channels: every rank's key heads, counted once per rank that reads them,
+    its value heads' v, b, a in; its heads' output back) and gathered (all-gather + reduce-scatter of
+    ``S x hidden``), one attention layer's ring for scale (K, V forward and backward, the fp32 dK / dV
+    accumulators), and the mixer's input activations a rank holds (``tokens x channels x e``)."""
+    v_local = value_heads // n
+    k_local = max(1, key_heads * v_local // value_heads)
+    cut_in = n * (2 * k_local * key_dim + v_local * (value_dim + 2))     # channels sent per token, all ranks
+    cut_out = value_heads * value_dim
+    leaves = (n - 1) / n
+    local = seq_len // n
+    split = 2 * local * (cut_in + cut_out) * element_size * leaves
+    gathered = 2 * seq_len * hidden * element_size * leaves
+    kv = local * kv_heads * head_dim
+    ring = (n - 1) * 2 * kv * element_size * 2 + n * 2 * kv * 4
+    whole = 2 * key_heads * key_dim + value_heads * (value_dim + 2)
+    return {"seq_len": seq_len, "world_size": n, "split_bytes": split, "gathered_bytes": gathered, "ring_bytes": ring,
+            "split_act_bytes": seq_len * (cut_in // n) * element_size, "gathered_act_bytes": seq_len * whole * element_size}
+
+
 COLUMNS = [("kind", "mixer"), ("world_size", "N"), ("seq_len", "S"), ("sp1_cpu_ms", "SP=1 cpu ms"),
            ("split_cpu_ms", "split cpu ms"), ("gathered_cpu_ms", "gathered cpu ms"), ("local_cpu_ms", "S/N alone cpu ms"),
            ("split_cpu_x_n_over_sp1", "split x N / SP=1"), ("gathered_over_split_cpu", "gathered / split"),
@@ -206,6 +232,9 @@ def register(modes) -> None:
     p.add_argument("--seq-lens", type=_ints, default=[4096, 16384], help="global sequence lengths S")
     p.add_argument("--hidden", type=int, default=256, help="the model's hidden size C")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (medians)")
+    p.add_argument("--predict", action="store_true",
+                   help="no measurement: a Qwen3-Next-80B-like gated delta net layer's bytes and activations per "
+                        "rank, split vs gathered, at --seq-lens and --world-sizes, bf16 (predict_gdn)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     p.set_defaults(run=_main)
 
@@ -213,6 +242,17 @@ def register(modes) -> None:
 def _main(args) -> int:
     from .report import format_table, write_json
 
+    if args.predict:
+        from .report import format_table
+
+        rows = [predict_gdn(s, n, **QWEN3_NEXT) for s in args.seq_lens for n in args.world_sizes]
+        for r in rows:
+            for k in [k for k in r if k.endswith("_bytes")]:
+                r[k.replace("_bytes", "_gib")] = r.pop(k) / 2**30
+        print("predicted, per rank and gated delta net layer of a Qwen3-Next-80B-like model (hidden 2048, 32 value / "
+              "16 key heads x 128), bf16: bytes sent forward + backward, and the mixer's input activations held\n")
+        print(format_table(rows, [(k, k) for k in rows[0]]))
+        return 0
     cfg = HybridSplitConfig(kinds=tuple(k for k in args.kinds.split(",") if k), world_sizes=tuple(args.world_sizes),
                             seq_lens=tuple(args.seq_lens), hidden=args.hidden, reps=args.reps)
     load0 = load_average()

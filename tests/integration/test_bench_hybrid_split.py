@@ -39,3 +39,18 @@ def test_split_bench_table_and_bytes(tmp_path):
     assert r["gather_bytes"] == 3 * (N - 1) * (S // N) * HIDDEN * 4
     for mode in ("split", "gathered", "local", "sp1"):
         assert r[f"{mode}_cpu_ms"] > 0 and r[f"{mode}_peak_mib"] > 0, mode
+
+
+def test_predicted_gdn_bytes_from_the_shapes():
+    """Qwen3-Next-80B's gated delta net at 128k tokens: per rank, 8 ranks, bf16 (hand-computed here).
+    Split: 16384 tokens x (8 x (2 key heads x 2 x 128 + 4 value heads x 130) in + 32 x 128 out) x 2 B, forward
+    and backward, 7/8 leaving; at 32 ranks each rank reads one key head that two ranks share (sent twice)."""
+    from striped_sp.bench.hybrid_split import QWEN3_NEXT, predict_gdn
+
+    r = predict_gdn(131072, 8, **QWEN3_NEXT)
+    assert r["split_bytes"] == 2 * 16384 * (8 * (2 * 2 * 128 + 4 * 130) + 32 * 128) * 2 * 7 / 8
+    assert r["gathered_bytes"] == 2 * 131072 * 2048 * 2 * 7 / 8
+    assert r["ring_bytes"] == 7 * 2 * 16384 * 2 * 256 * 2 * 2 + 8 * 2 * 16384 * 2 * 256 * 4
+    assert r["gathered_act_bytes"] == 131072 * (2 * 16 * 128 + 32 * 130) * 2
+    r32 = predict_gdn(131072, 32, **QWEN3_NEXT)
+    assert r32["split_bytes"] == 2 * 4096 * (32 * (2 * 1 * 128 + 1 * 130) + 32 * 128) * 2 * 31 / 32
