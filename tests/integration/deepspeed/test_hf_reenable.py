@@ -20,7 +20,9 @@ every gradient to 1e-4, summed over the group as DeepSpeed does).
   ``initialize`` again at ``sequence_parallel_size: 1`` is refused by name (nothing undoes the set-up).
 
 Seen failing with the mixers' wrapper as a closure over the module's bound forward (the deep copy
-ran the original's mixer weights) and with ``wrap_mixers`` keeping the first call's settings.
+ran the original's mixer weights), with ``wrap_mixers`` keeping the first call's settings (both LFM2
+re-target cases), with the positions checked in layer 0 only (LFM2's layer 0 is a convolution: the
+old layout's batch ran unrefused) and with every module marked enabled (both reload cases).
 """
 
 import copy
