@@ -36,6 +36,44 @@ def pytest_collection_modifyitems(items):
         if parts and parts[0] in _MARKERS:
             item.add_marker(getattr(pytest.mark, _MARKERS[parts[0]]))
 
+
+#: what the gloo ranks of each folder import anyway, for their fork server to import once
+#: (tests/support/dist_helper.py's start_fork_server; a module not installed is passed over)
+_PRELOAD = {
+    "dist": ["torch", "torch.distributed", "striped_sp", "striped_sp.engine.local", "pytest"],
+    "deepspeed": ["deepspeed", "deepspeed.sequence.layer", "transformers", "accelerate",
+                  "transformers.models.llama.modeling_llama", "transformers.trainer", "striped_sp.deepspeed",
+                  "striped_sp.deepspeed.trainer"],
+    "megatron": ["megatron.core", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.models.mamba",
+                 "megatron.core.transformer.multi_latent_attention", "striped_sp.megatron",
+                 "striped_sp.megatron.attention"],
+}
+
+
+def _uses_the_harness(module) -> bool:
+    """Whether a test module runs cases on gloo ranks (holds something of dist_helper's)."""
+    return any(getattr(value, "__module__", None) == "dist_helper" for value in vars(module).values())
+
+
+def pytest_collection_finish(session):
+    """Start the gloo ranks' fork server once the tests are selected, when some run cases on gloo
+    ranks, with the frameworks their folders need imported once (the first cases wait for it)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    folders, seen = set(), {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__ not in seen:
+            seen[module.__name__] = _uses_the_harness(module)
+        if module is not None and seen[module.__name__]:
+            folders.update(pathlib.Path(str(item.fspath)).resolve().relative_to(tests).parts[:-1])
+    if not folders:
+        return
+    import dist_helper
+
+    kinds = ["dist"] + [kind for kind in ("deepspeed", "megatron") if kind in folders]
+    dist_helper.start_fork_server([module for kind in kinds for module in _PRELOAD[kind]])
+
+
 _SEED = pytest.StashKey[int]()
 
 

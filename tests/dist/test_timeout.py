@@ -3,12 +3,15 @@ and the ring step, within the timeout, instead of holding it for gloo's 30 minut
 process died: tests/dist/test_dead_peer.py).
 
 Each scenario runs on its own gloo group (a timed-out gloo pair is closed for good); the default
-group only synchronises the scenarios.  run_cases bounds the whole run, so a regression fails the
-test instead of hanging the suite.
+group only synchronises the scenarios.  The stuck rank leaves the scenario early and waits in the
+default group's barrier after it, which the other rank reaches only once its own call has raised:
+from the scenario group's side a peer that never comes, for as long as the other rank waits, with
+no fixed sleep to sit out.  run_cases bounds the whole run, so a regression fails the test instead
+of hanging the suite.
 
 Every timeout must be the ring's own (``timeout=2``), not the process group's: each error names the
 ring timeout ("more than 2 s") and comes within a few seconds of it.  The scenario groups get a
-timeout of their own, :data:`GROUP_TIMEOUT_S`, past the ring's and the stuck rank's sleep but far
+timeout of their own, :data:`GROUP_TIMEOUT_S`, past the ring's and its lateness allowance but far
 under the harness's 60 s, so a ring timeout that is not applied (say, tested on the wrong device
 type) shows in seconds, by its message ("past the process group's timeout") and its time."""
 
@@ -26,11 +29,10 @@ from striped_sp.engine import transport as ring
 
 SEED = seed_for(__name__)
 TIMEOUT_S = 2.0
-STUCK_S = TIMEOUT_S + 3.0  # the stuck rank sleeps past the other's timeout
-#: each scenario group's own gloo timeout: what a wait without the ring timeout would get
-GROUP_TIMEOUT_S = STUCK_S + 4.0
 #: the most a ring timeout may take beyond TIMEOUT_S to raise (under GROUP_TIMEOUT_S - TIMEOUT_S)
 LATE_S = 3.0
+#: each scenario group's own gloo timeout: what a wait without the ring timeout would get
+GROUP_TIMEOUT_S = TIMEOUT_S + LATE_S + 4.0
 
 
 def _qkv(s=8):
@@ -63,8 +65,7 @@ def stuck_in_forward(group):
     q, k, v = _qkv()
     striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S)  # agreed: the next call sends no check
     if dist.get_rank() == 1:
-        time.sleep(STUCK_S)
-        return
+        return  # stuck: waits in run_scenario's barrier until rank 0 is done
     err, seconds = _timed(lambda: striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S))
     _expect(err, seconds, TimeoutError, "rank 0 (rank 0 of its CP group of 2)", "rank 1", "forward step 1 of 2",
             f"{TIMEOUT_S:g} s")
@@ -75,8 +76,7 @@ def stuck_in_backward(group):
     q, k, v = _qkv()
     out = striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S)
     if dist.get_rank() == 1:
-        time.sleep(STUCK_S)
-        return
+        return  # stuck: waits in run_scenario's barrier until rank 0 is done
     err, seconds = _timed(lambda: out.sum().backward())
     _expect(err, seconds, TimeoutError, "rank 0", "rank 1", "backward step 1 of 2")
 
@@ -86,8 +86,7 @@ def stuck_before_agreement(group):
     group agreed on nothing before, so no peer can have skipped the check: the message names only a
     stuck or gone peer, not ranks called with different arguments."""
     if dist.get_rank() == 1:
-        time.sleep(STUCK_S)
-        return
+        return  # stuck: waits in run_scenario's barrier until rank 0 is done
     q, k, v = _qkv(s=6)
     err, seconds = _timed(lambda: striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S))
     _expect(err, seconds, TimeoutError, "ring_attention: rank 0 of the group waited more than 2 s",
@@ -101,8 +100,7 @@ def stuck_before_later_agreement(group):
     q, k, v = _qkv()
     striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S)
     if dist.get_rank() == 1:
-        time.sleep(STUCK_S)
-        return
+        return  # stuck: waits in run_scenario's barrier until rank 0 is done
     q, k, v = _qkv(s=6)
     err, seconds = _timed(lambda: striped_sp.ring_attention(q, k, v, group, timeout=TIMEOUT_S))
     _expect(err, seconds, TimeoutError, "rank 0 of the group waited more than 2 s", "a peer is stuck or gone",
@@ -117,8 +115,7 @@ def stuck_before_batch_check(group):
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     gather_rows(group, [1, 2], what="check_same_batch", timeout=timeout)
     if dist.get_rank() == 1:
-        time.sleep(STUCK_S)
-        return
+        return  # stuck: waits in run_scenario's barrier until rank 0 is done
     err, seconds = _timed(lambda: gather_rows(group, [1, 2], what="check_same_batch", timeout=timeout))
     _expect(err, seconds, TimeoutError, "check_same_batch: rank 0 of the group waited more than 2 s",
             "a peer is stuck or gone")
@@ -146,7 +143,10 @@ def run_scenario(name):
     """``name`` on a fresh group of both ranks (gloo's default group only synchronises)."""
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     dist.barrier()
-    {s.__name__: s for s in SCENARIOS}[name](group)
+    try:
+        {s.__name__: s for s in SCENARIOS}[name](group)
+    finally:
+        dist.barrier()  # the stuck rank waits here, on the default group, until the other one raised
 
 
 CASES = [(s.__name__, run_scenario, (s.__name__,)) for s in SCENARIOS]

@@ -1,9 +1,14 @@
 """Run many test cases on N gloo ranks started once.
 
-``run_cases(world_size, cases)`` spawns ``world_size`` processes, starts one gloo process group,
+``run_cases(world_size, cases)`` starts ``world_size`` processes, starts one gloo process group,
 runs every case on every rank, and returns ``{case_name: None | report}``.
 A case is ``(name, fn, args)`` where ``fn(*args)`` is a module-level function (so it pickles).
-Start-up dominates on 2 cores, hence one spawn per module and world size.
+Start-up dominates on 2 cores, hence one start per module and world size, and each rank a fresh
+process forked from a fork server that imported torch and the frameworks once
+(:func:`start_fork_server`, which tests/conftest.py starts while the in-process tests run), not a
+fresh interpreter importing them again (several seconds of CPU per rank); spawn where the platform
+has no fork server, where a GPU may be used (CUDA must not be touched before a fork), or with
+``$STRIPED_SP_TEST_START=spawn``.
 
 A rank that breaks alone must not stall the module, nor hide which case broke:
 
@@ -46,6 +51,7 @@ RING_TIMEOUT_S = 30.0
 #: agreement exchange, the tests' own all-reduces and groups)
 PG_TIMEOUT_S = 60.0
 _RING_TIMEOUT_ENV = "STRIPED_SP_RING_TIMEOUT_S"  # striped_sp.engine.transport.TIMEOUT_ENV (not imported here)
+_PRELOAD_ENV = "STRIPED_SP_TEST_PRELOAD"  # read by worker_preload.py in the fork server
 _BROKEN_TEXT = ("gloo", "Connection closed", "Connection reset", "imed out", "timeout")
 
 
@@ -61,14 +67,21 @@ def _breaks_the_group(err: BaseException) -> bool:
     return False
 
 
-def _worker(rank, world_size, init_file, cases, conn, ring_timeout_s, pg_timeout_s, stderr_path):
-    """One rank: start the group, then run case ``i`` each time the parent sends ``i`` (``None``:
+def _worker(rank, world_size, init_file, cases, conn, ring_timeout_s, pg_timeout_s, stderr_path, env=None):
+    """One rank: take the parent's environment ``env`` (a rank forked from the fork server starts
+    with the server's), start the group, then run case ``i`` each time the parent sends ``i`` (``None``:
     the end), telling the parent ``start`` and ``done`` over ``conn`` (its own pipe: a rank that dies
     mid-message cannot block the others' reports, as a shared queue's lock would).  Its stderr goes
-    to ``stderr_path`` (the parent passes it on, and quotes it for a rank that died: gloo's abort)."""
-    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 2)
-    os.close(fd)
+    to ``stderr_path`` (the parent passes it on, and quotes it for a rank that died: gloo's abort),
+    its stdout to ``stdout.<rank>`` beside it (passed on too: the fork server's own stdout is not
+    the current test's)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    for stream, path in ((1, os.path.join(os.path.dirname(stderr_path), f"stdout.{rank}")), (2, stderr_path)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, stream)
+        os.close(fd)
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if ring_timeout_s is not None:
@@ -157,6 +170,40 @@ class _Run:
         return "\n".join(lines) or None
 
 
+def _fork_server() -> bool:
+    """Whether the ranks fork from the fork server (the module docstring says when not)."""
+    gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    gpu_node = any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
+    return ("forkserver" in mp.get_all_start_methods() and not (gpu_build and gpu_node)
+            and os.environ.get("STRIPED_SP_TEST_START", "forkserver") == "forkserver")
+
+
+def _context():
+    """The fork server (its preloaded modules: :func:`start_fork_server`) or spawn: either way
+    each rank is a fresh process of its own, with no process group yet."""
+    if not _fork_server():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["worker_preload"])  # no effect once the server runs
+    return ctx
+
+
+def start_fork_server(modules: list) -> None:
+    """Start the ranks' fork server now, importing ``modules`` once (``worker_preload``) before
+    the first cases need them; a no-op where it already runs or the ranks are spawned."""
+    if not _fork_server():
+        return
+    from multiprocessing import forkserver
+    from unittest import mock
+
+    path = os.pathsep.join(filter(None, (os.path.dirname(__file__), os.environ.get("PYTHONPATH"))))
+    # the server reads the list (worker_preload) and imports on Python's default path: 3.11 passes it
+    # no sys.path, so this folder goes on its PYTHONPATH (the tests' own environment is restored)
+    with mock.patch.dict(os.environ, {_PRELOAD_ENV: ",".join(modules), "PYTHONPATH": path}):
+        _context()
+        forkserver.ensure_running()
+
+
 def run_cases(world_size: int, cases: list, timeout_s: float = 600.0, *, ring_timeout_s: float | None = None,
               pg_timeout_s: float = PG_TIMEOUT_S, grace_s: float | None = None) -> dict:
     """Run ``cases`` on ``world_size`` gloo ranks in step; ``{name: None | report}`` (module docstring).
@@ -172,7 +219,7 @@ def run_cases(world_size: int, cases: list, timeout_s: float = 600.0, *, ring_ti
         grace_s = ring_s + pg_timeout_s + 30.0
     names = [name for name, _, _ in cases]
     assert len(set(names)) == len(names), f"case names must be unique: {names}"
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     pipes = [ctx.Pipe() for _ in range(world_size)]  # (parent end, worker end) per rank
     conns = [parent for parent, _ in pipes]
     run = _Run(cases, world_size)
@@ -181,7 +228,7 @@ def run_cases(world_size: int, cases: list, timeout_s: float = 600.0, *, ring_ti
         init_file = os.path.join(tmp, "pg_init")
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world_size, init_file, cases, pipes[r][1], ring_timeout_s, pg_timeout_s,
-                                   os.path.join(tmp, f"stderr.{r}")))
+                                   os.path.join(tmp, f"stderr.{r}"), dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -274,11 +321,12 @@ def run_cases(world_size: int, cases: list, timeout_s: float = 600.0, *, ring_ti
                     p.join(timeout=5)
             for c in conns:
                 c.close()
-            for r in range(world_size):  # the workers' stderr, for pytest's capture as before
-                path = os.path.join(tmp, f"stderr.{r}")
-                if os.path.exists(path) and os.path.getsize(path):
-                    with open(path, errors="replace") as f:
-                        sys.stderr.write(f"--- rank {r} stderr ---\n{f.read()}")
+            for r in range(world_size):  # the workers' output, for pytest's capture as before
+                for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                    path = os.path.join(tmp, f"{name}.{r}")
+                    if os.path.exists(path) and os.path.getsize(path):
+                        with open(path, errors="replace") as f:
+                            stream.write(f"--- rank {r} {name} ---\n{f.read()}")
     return {name: run.report(i, stop_reason) for i, name in enumerate(names)}
 
 
