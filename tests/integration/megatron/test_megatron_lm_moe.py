@@ -181,6 +181,7 @@ def test_moe_striped_cp2_logs_the_cp1_losses(request, case):
     assert rows[-1][1]["lm loss"] != rows[0][1]["lm loss"], "the loss did not move: no optimizer step happened"
 
 
+@pytest.mark.release  # make test-release: planted bugs, the comparison's own check
 @pytest.mark.parametrize("plant", ["contiguous-batch", "router-without-cp"])
 def test_a_planted_bug_fails_the_moe_comparison(request, plant):
     """The comparison is sharp enough: the batch cut contiguously (RoPE and the attention still
