@@ -75,7 +75,35 @@ def _tiny_gpt_oss(attn="eager"):
     return model
 
 
-MODELS = {"llama": _tiny_llama, "gpt_oss": _tiny_gpt_oss}
+def _conv_keeping_documents(x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+    """A causal depthwise convolution that restarts at every document of ``seq_idx`` ``[b, s]`` (what
+    causal-conv1d does on CUDA; transformers' CPU fallback refuses packed rows): ``x`` ``[b, c, s]``,
+    ``weight`` ``[c, K]``, written here (no module of ours)."""
+    from transformers.activations import ACT2FN
+
+    k, s = weight.size(-1), x.size(-1)
+    out = torch.zeros_like(x) if bias is None else bias[None, :, None].expand_as(x).clone()
+    for j in range(k):  # tap j reads the token j steps back, inside the same document only
+        shifted = torch.nn.functional.pad(x, (j, 0))[..., :s]
+        if seq_idx is not None and j:
+            same = torch.nn.functional.pad(seq_idx, (j, 0), value=-1)[..., :s] == seq_idx
+            shifted = shifted * same[:, None, :].to(x.dtype)
+        out = out + weight[:, k - 1 - j][None, :, None] * shifted
+    return ACT2FN[activation](out) if activation is not None else out
+
+
+def _tiny_lfm2(attn="eager"):
+    """transformers' LFM2 at a tiny shape (a short convolution, then attention), weights off their init;
+    its convolution keeps packed documents apart (:func:`_conv_keeping_documents`)."""
+    import transformers.models.lfm2.modeling_lfm2 as lfm2
+
+    from test_deepspeed_trainer import _tiny_hybrid
+
+    lfm2.causal_conv1d_fn = _conv_keeping_documents
+    return _tiny_hybrid("lfm2", attn).float()
+
+
+MODELS = {"llama": _tiny_llama, "gpt_oss": _tiny_gpt_oss, "lfm2": _tiny_lfm2}
 
 
 def _reference(rows, batch, ga, model_name="llama"):
@@ -248,6 +276,13 @@ def _case_packing_gpt_oss():
     _case_sft("packing_gpt_oss", 2, 2, 40, 9, model_name="gpt_oss", packing=True, max_length=16)
 
 
+def _case_packing_hybrid():
+    """LFM2 (a short convolution split over the ranks, then attention) with TRL packing: every step's loss
+    and grad norm against the per-document reference; the documents' seq_idx reaches the split
+    convolution in natural order (a convolution that keeps documents apart stands in for causal-conv1d)."""
+    _case_sft("packing_lfm2", 2, 2, 30, 9, model_name="lfm2", packing=True, max_length=16)
+
+
 def _case_padding_free():
     _case_sft("padding_free", 3, 1, 12, 11, padding_free=True, max_length=None)
 
@@ -261,7 +296,8 @@ def _case_eval_uneven_targets():
 
 
 CASES = [("setup", _setup, ()), ("errors", _case_errors, ()), ("packing_bfd", _case_packing, ()),
-         ("packing_gpt_oss", _case_packing_gpt_oss, ()), ("padding_free", _case_padding_free, ()),
+         ("packing_gpt_oss", _case_packing_gpt_oss, ()), ("packing_lfm2", _case_packing_hybrid, ()),
+         ("padding_free", _case_padding_free, ()),
          ("eval_uneven_targets", _case_eval_uneven_targets, ())]
 
 
