@@ -134,15 +134,22 @@ def test_the_global_layers_run_masked_plans_only_where_the_stripes_are_larger_th
     assert mask_of("striped", 4096, 4) is None
 
 
-# one row of 512 (N = 8: 256) tokens per rank: stripes of 128 (64) under window=512
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
-@pytest.mark.parametrize("layer", [
+_LAYERS = [
     {"window_size": (100, 0)},  # a window layer
     {},  # a global causal layer of the same model
     {"docs": True},  # a packed row: the search
     {"docs": True, "window_size": (50, 0)},
     {"causal": False},
-])
+]
+#: (layer, N) run by make test: each layer once, each N at least once; the rest of the grid is
+#: marked release (make test-release)
+_EVERY_RUN = {(0, 8), (1, 2), (2, 3), (3, 4), (4, 4)}
+
+
+# one row of 512 (N = 8: 256) tokens per rank: stripes of 128 (64) under window=512
+@pytest.mark.parametrize("n, layer", [
+    pytest.param(n, layer, id=f"layer{i}-{n}", marks=() if (i, n) in _EVERY_RUN else pytest.mark.release)
+    for i, layer in enumerate(_LAYERS) for n in (2, 3, 4, 8)])
 def test_exact_against_float64(n, layer):
     per_rank = 256 if n == 8 else 512
     check_simulation_exact(n, per_rank, dict(layer, layout="striped:window=512"), f"hint-{n}-{sorted(layer)}",
