@@ -79,8 +79,8 @@ def split_mixers_enabled() -> bool:
 
 def _split_for(module, n: int, rest: tuple, kwargs: dict):
     """The split form of ``module`` for ``n`` ranks, or ``None`` (the gather runs): no split form, the
-    heads / channels do not divide, a cache (generation), positional arguments past the hidden
-    states it cannot name, or a padding mask with padding."""
+    heads / channels do not divide, a cache (generation), or positional arguments past the hidden
+    states it cannot name.  (A padding mask needs no look: padding is refused at the model's input.)"""
     if module is None or not split_mixers_enabled():
         return None
     known = _SPLITS.setdefault(module, {})
@@ -90,9 +90,6 @@ def _split_for(module, n: int, rest: tuple, kwargs: dict):
     if split is None or any(a is not None for a in rest):
         return None
     if any(kwargs.get(k) is not None for k in ("cache", "cache_params", "past_key_values")):
-        return None
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
         return None
     return split
 
@@ -122,16 +119,18 @@ def _wrapped_forward(forward, path: str, hidden: int, settings_of, module=None):
                 f"{get_layout(settings.layout).document_multiple(n)} tokens, and a token mixer would scan the padding "
                 "as tokens: use the 'striped' layout (no padding) with this hybrid model")
         order = natural_order(x.size(1) * n, n, rank, settings.layout, settings.cu_seqlens)
+        split = _split_for(module, n, rest, kwargs)
         # per-token arguments (position_ids, seq_idx) follow the tokens; the rest (the packed row's
         # global cu_seq_lens, as at SP=1) pass as they are
+        if split is not None:
+            kwargs = _split_kwargs(kwargs)
         rest = tuple(gather_natural(a, group, order) if _per_token(a, x) else a for a in rest)
         others = {k: gather_natural(v, group, order) if _per_token(v, x) else v
                   for k, v in kwargs.items() if k != "hidden_states"}
         token = _INSIDE.set(path)
         try:
-            split = _split_for(module, n, rest, others)
             if split is not None:  # heads / channels over the group, one all-to-all each way
-                return split.run(x, group, order, _split_kwargs(others))
+                return split.run(x, group, order, others)
             args2, kwargs2 = rebuild(gather_natural(x, group, order), rest, others)
             out = forward(*args2, **kwargs2)
         finally:
