@@ -58,6 +58,8 @@ def _uses_the_harness(module) -> bool:
 def pytest_collection_finish(session):
     """Start the gloo ranks' fork server once the tests are selected, when some run cases on gloo
     ranks, with the frameworks their folders need imported once (the first cases wait for it)."""
+    if session.config.option.collectonly:
+        return
     tests = pathlib.Path(__file__).resolve().parent
     folders, seen = set(), {}
     for item in session.items:
