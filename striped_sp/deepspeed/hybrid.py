@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
-import weakref
 
 import torch
 
@@ -66,8 +65,6 @@ def _per_token(value, x: torch.Tensor) -> bool:
 _SPLIT_DROPS = ("cache", "cache_params", "past_key_values", "attention_mask")
 
 
-#: module -> {group size: its split form or None}, filled at a mixer's first call
-_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: ``0`` runs every mixer gathered (to compare, or to rule the split out); anything else: split where it can
 SPLIT_ENV = "STRIPED_SP_SPLIT_MIXERS"
 
@@ -83,7 +80,7 @@ def _split_for(module, n: int, rest: tuple, kwargs: dict):
     states it cannot name.  (A padding mask needs no look: padding is refused at the model's input.)"""
     if module is None or not split_mixers_enabled():
         return None
-    known = _SPLITS.setdefault(module, {})
+    known = module.__dict__.setdefault("_striped_sp_splits", {})  # a copy of the module copies its forms
     if n not in known:  # once per module and group size: a layer's later calls look it up
         known[n] = split_or_reason(module, n)[0]
     split = known[n]
