@@ -38,8 +38,8 @@ class HeadGroups:
         return len(self.groups_of[0])
 
     def group_index(self, device=None) -> torch.Tensor:
-        """``[n * local_groups]`` (int64): the groups of rank 0, then rank 1's, ..."""
-        return torch.tensor([g for gs in self.groups_of for g in gs], dtype=torch.long, device=device)
+        """``[n * local_groups]`` (int64): the groups of rank 0, then rank 1's, ... (made once per device)"""
+        return _index_on(tuple(g for gs in self.groups_of for g in gs), str(torch.device(device or "cpu")))
 
 
 @functools.lru_cache(maxsize=256)
@@ -90,8 +90,15 @@ def conv_rows(sections: list[tuple[int, int, tuple[int, ...]]], device=None) -> 
     """The rows of a depthwise convolution's weight that a rank's channels use: ``sections`` lists
     ``(offset, width, units)`` per range of the conv's channels (unit ``u`` of that range is rows
     ``offset + u * width ... + width - 1``).  ``[rows]`` int64."""
-    rows = [offset + u * width + i for offset, width, units in sections for u in units for i in range(width)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    rows = tuple(offset + u * width + i for offset, width, units in sections for u in units for i in range(width))
+    return _index_on(rows, str(torch.device(device or "cpu")))
+
+
+@functools.lru_cache(maxsize=512)
+def _index_on(values: tuple, device: str) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, made (and copied to the device) once: a layer's
+    later calls reuse it, with no host-to-device copy per layer."""
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def kernels_of(module: torch.nn.Module, *names: str):

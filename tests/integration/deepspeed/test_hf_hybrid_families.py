@@ -90,3 +90,17 @@ def test_attention_free_models_are_refused_by_name(model_type):
     with pytest.raises(ValueError, match=f"{type(model).__name__} mixes tokens outside attention .*no module calls "
                                          "transformers' attention functions"):
         enable_hf_attention(model, None, "striped")
+
+
+def test_split_indices_are_made_once_per_device():
+    """A split layer's index tensors (the conv rows of its channels, the groups each rank reads) are built
+    and put on the device at the first call; later layers and batches reuse them (no copy per layer)."""
+    from striped_sp.deepspeed.split.heads import conv_rows, head_groups
+
+    rows = conv_rows([(0, 2, (1, 3)), (10, 1, (0,))])
+    assert rows.tolist() == [2, 3, 6, 7, 10] and conv_rows([(0, 2, (1, 3)), (10, 1, (0,))]) is rows
+    deal = head_groups(4, 8, 2)  # 8 heads in 2 groups over 4 ranks: two ranks read each group
+    assert deal.groups_of == ((0,), (0,), (1,), (1,)) and deal.group_index().tolist() == [0, 0, 1, 1]
+    assert head_groups(4, 8, 2).group_index() is deal.group_index()
+    assert head_groups(4, 6, 2) == "6 heads are not divisible by 4 ranks"
+    assert head_groups(2, 6, 3) == "6 heads in 3 groups do not deal evenly over 2 ranks"
