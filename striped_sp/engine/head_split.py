@@ -26,19 +26,11 @@ compute on all ``S`` tokens on every rank.  The mixer then runs on ``S x C / N``
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .natural_order import NaturalOrder
+from .ulysses import _all_to_all as _exchange  # chunk j to rank j; what rank j sent (tests count its calls)
 
 __all__ = ["tokens_to_heads", "heads_to_tokens"]
-
-
-def _exchange(chunks: torch.Tensor, group) -> torch.Tensor:
-    """``chunks`` ``[N, ...]``: chunk ``j`` goes to rank ``j``; returns ``[N, ...]``, what rank ``j`` sent."""
-    chunks = chunks.contiguous()
-    out = torch.empty_like(chunks)
-    dist.all_to_all_single(out, chunks, group=group)
-    return out
 
 
 def _to_heads(x: torch.Tensor, group, order: NaturalOrder) -> torch.Tensor:
