@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["HostWork", "KERNEL_OPS", "SYNCING"]
@@ -24,7 +25,9 @@ class HostWork(TorchDispatchMode):
     per pass), views, copies from host memory to a device, synchronisations (an op of
     :data:`SYNCING` on a device tensor: a device value read on the host, a data-dependent shape)
     and every op of :data:`SYNCING` on any tensor (``data_dependent``).  ``phase``: the pass being
-    counted (set by the caller)."""
+    counted (set by the caller).  A tensor made from host data straight on a device
+    (``torch.tensor(values, device=...)``, ``as_tensor``, ``asarray``) is a copy too: its copy runs
+    below Python dispatch, so a function mode beside this one counts it (``host_data``)."""
 
     def __init__(self):
         super().__init__()
@@ -34,7 +37,19 @@ class HostWork(TorchDispatchMode):
         self.copies = 0
         self.syncs = collections.Counter()
         self.data_dependent = 0
+        self.host_data = 0
         self.phase = "forward"
+        self._made = _HostData(self)
+
+    def __enter__(self) -> "HostWork":
+        self._made.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._made.__exit__(*exc)
 
     @property
     def total(self) -> int:
@@ -59,6 +74,25 @@ class HostWork(TorchDispatchMode):
             self.data_dependent += 1
             if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in (*args, *kwargs.values())):
                 self.syncs[name] += 1
+        return func(*args, **kwargs)
+
+
+class _HostData(TorchFunctionMode):
+    """Counts, in ``work``, the tensors made from host data (not a tensor) on a device that is not the host's."""
+
+    MAKERS = (torch.tensor, torch.as_tensor, torch.asarray)
+
+    def __init__(self, work: HostWork):
+        super().__init__()
+        self.work = work
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.MAKERS and args and not isinstance(args[0], torch.Tensor):
+            device = kwargs.get("device")  # keyword-only in all three
+            if device is not None and torch.device(device).type != "cpu":
+                self.work.copies += 1
+                self.work.host_data += 1
         return func(*args, **kwargs)
 
 
