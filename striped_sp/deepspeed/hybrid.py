@@ -30,9 +30,11 @@ import os
 import torch
 
 from ..engine.natural_order import gather_natural, natural_order, take_local
+from ..engine.state_passing import contiguous_chunks, to_chunks
 from ..plan.layouts import get_layout
 from .mixers import UnhandledMixer, unhandled_mixers
 from .split import find_split, split_or_reason
+from .state import find_state
 
 __all__ = ["wrap_mixers", "inside_gathered_mixer", "mixer_modes", "mixer_summary"]
 
@@ -74,6 +76,36 @@ def split_mixers_enabled() -> bool:
     return os.environ.get(SPLIT_ENV, "1").strip() != "0"
 
 
+#: how a mixer that can split runs: ``auto`` (the head all-to-all where its heads divide by N, else state
+#: passing), ``state`` (state passing wherever the form is known), ``split`` (never state passing)
+MODE_ENV = "STRIPED_SP_MIXER_MODE"
+_MODES = ("auto", "state", "split")
+
+
+def mixer_mode() -> str:
+    """``$STRIPED_SP_MIXER_MODE`` (``auto`` unless set); ``ValueError`` naming it for another value."""
+    mode = os.environ.get(MODE_ENV, "auto").strip() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"${MODE_ENV}={mode!r}: must be one of {', '.join(_MODES)}")
+    return mode
+
+
+def choose_form(module, n: int):
+    """``(form, mode, why)`` for ``module`` over ``n`` ranks: ``mode`` ``"split"`` (the head all-to-all),
+    ``"state passing"`` (contiguous chunks joined by their states: any N, heads or not) or
+    ``"gathered"`` (``form`` ``None``, ``why`` the reason); ``why`` is the kind where it runs."""
+    split, reason = split_or_reason(module, n)
+    if not split_mixers_enabled():
+        return None, "gathered", f"${SPLIT_ENV}=0"
+    mode = mixer_mode()
+    state = find_state(module) if mode != "split" else None
+    if state is not None and (split is None or mode == "state"):
+        return state, "state passing", state.kind
+    if split is not None:
+        return split, "split", split.kind
+    return None, "gathered", reason
+
+
 def _split_for(module, n: int, rest: tuple, kwargs: dict):
     """The split form of ``module`` for ``n`` ranks, or ``None`` (the gather runs): no split form, the
     heads / channels do not divide, a cache (generation), or positional arguments past the hidden
@@ -81,9 +113,10 @@ def _split_for(module, n: int, rest: tuple, kwargs: dict):
     if module is None or not split_mixers_enabled():
         return None
     known = module.__dict__.setdefault("_striped_sp_splits", {})  # a copy of the module copies its forms
-    if n not in known:  # once per module and group size: a layer's later calls look it up
-        known[n] = split_or_reason(module, n)[0]
-    split = known[n]
+    key = (n, mixer_mode())
+    if key not in known:  # once per module, group size and mode: a layer's later calls look it up
+        known[key] = choose_form(module, n)[0]
+    split = known[key]
     if split is None or any(a is not None for a in rest):
         return None
     if any(kwargs.get(k) is not None for k in ("cache", "cache_params", "past_key_values")):
@@ -121,11 +154,18 @@ def _wrapped_forward(forward, path: str, hidden: int, settings_of, module=None):
         # global cu_seq_lens, as at SP=1) pass as they are
         if split is not None:
             kwargs = _split_kwargs(kwargs)
-        rest = tuple(gather_natural(a, group, order) if _per_token(a, x) else a for a in rest)
-        others = {k: gather_natural(v, group, order) if _per_token(v, x) else v
+        gather = split is None or not hasattr(split, "cannot_pass")
+        rest = tuple(gather_natural(a, group, order) if gather and _per_token(a, x) else a for a in rest)
+        others = {k: gather_natural(v, group, order) if gather and _per_token(v, x) else v
                   for k, v in kwargs.items() if k != "hidden_states"}
         token = _INSIDE.set(path)
         try:
+            if split is not None and hasattr(split, "cannot_pass"):  # contiguous chunks, states passed
+                plan = contiguous_chunks(x.size(1) * n, n, rank, settings.layout, settings.cu_seqlens)
+                # of the per-token arguments only seq_idx reaches a kernel: it follows the tokens
+                chunked = {k: to_chunks(v, group, plan) if _per_token(v, x) else v for k, v in kwargs.items()
+                           if k != "hidden_states" and (k == "seq_idx" or not _per_token(v, x))}
+                return split.run(x, group, plan, chunked)
             if split is not None:  # heads / channels over the group, one all-to-all each way
                 return split.run(x, group, order, others)
             args2, kwargs2 = rebuild(gather_natural(x, group, order), rest, others)
@@ -191,18 +231,15 @@ def mixer_module(modules: dict, path: str) -> tuple[str, torch.nn.Module]:
 
 def mixer_modes(model: torch.nn.Module, n: int) -> list[tuple[str, str, str]]:
     """How each non-attention mixer of ``model`` runs over ``n`` ranks: ``(path, mode, why)`` with
-    ``mode`` ``"split"`` (``why``: its kind, e.g. ``"gated delta net"``) or ``"gathered"`` (``why``:
-    the reason it cannot split).  Reads module types only: no forward, no collective."""
+    ``mode`` ``"split"`` (the head all-to-all) or ``"state passing"`` (``why``: its kind, e.g. ``"gated
+    delta net"``), or ``"gathered"`` (``why``: the reason it cannot split).  Reads module types only: no forward, no collective."""
     modules = dict(model.named_modules())
     modes = []
     for mixer in unhandled_mixers(model):
         if mixer.path not in modules:
             continue
         path, module = mixer_module(modules, mixer.path)
-        split, reason = split_or_reason(module, n)
-        if split is not None and not split_mixers_enabled():
-            split, reason = None, f"${SPLIT_ENV}=0"
-        modes.append((path, "split", split.kind) if split is not None else (path, "gathered", reason))
+        modes.append((path, *choose_form(module, n)[1:]))
     return modes
 
 
@@ -212,9 +249,12 @@ def mixer_summary(model: torch.nn.Module, n: int) -> str:
     modes = mixer_modes(model, n)
     if not modes:
         return ""
-    kinds = sorted({why for _, mode, why in modes if mode == "split"})
-    split = sum(mode == "split" for _, mode, _ in modes)
-    parts = [f"{split} split ({', '.join(kinds)})"] if split else []
+    parts = []
+    for run in ("split", "state passing"):
+        kinds = sorted({why for _, mode, why in modes if mode == run})
+        count = sum(mode == run for _, mode, _ in modes)
+        if count:
+            parts.append(f"{count} {run} ({', '.join(kinds)})")
     gathered = [f"{path} ({why})" for path, mode, why in modes if mode == "gathered"]
     if gathered:
         shown = "; ".join(gathered[:3]) + (f"; and {len(gathered) - 3} more" if len(gathered) > 3 else "")

@@ -42,11 +42,12 @@ class ContiguousChunks:
     ``length``: the chunk's tokens (``S / N``); ``start``: its first position; ``cont`` ``[T]`` (bool):
     the tokens the entry state reaches (no document starts between the chunk's start and them);
     ``through_all`` ``[N]`` (bool): the chunks the state crosses whole; ``seq_idx`` ``[T]`` (int32): the
-    chunk's documents numbered from 0; ``halo_keep(k)``: which of the previous ``k - 1`` tokens belong
-    to the chunk's first document."""
+    chunk's documents numbered from 0; ``cu_seqlens``: their boundaries in the chunk (int32);
+    ``halo_keep(k)``: which of the previous ``k - 1`` tokens belong to the chunk's first document."""
 
-    def __init__(self, seq_len: int, world_size: int, rank: int, layout: str, bounds=None):
+    def __init__(self, seq_len: int, world_size: int, rank: int, layout: str, bounds=None, documents: bool = True):
         order = natural_order(seq_len, world_size, rank, layout, bounds)
+        self.layout, self.bounds = layout, bounds
         n, t = world_size, seq_len // world_size
         self.seq_len, self.world_size, self.rank, self.length, self.start = seq_len, n, rank, t, rank * t
         every = order.rank_major.reshape(n, t)                   # every rank's positions, local order
@@ -62,7 +63,7 @@ class ContiguousChunks:
         self.restore_index = torch.argsort(self.send_index)     # local order from by-position order
         starts = torch.zeros(seq_len, dtype=torch.bool)
         starts[0] = True
-        for b in (bounds or ()):
+        for b in (bounds or ()) if documents else ():
             if 0 < b < seq_len:
                 starts[b] = True
         self._starts = starts
@@ -72,6 +73,8 @@ class ContiguousChunks:
         counted = torch.cumsum(resets.to(torch.int32), 0)
         self.cont = counted == 0
         self.seq_idx = (counted - counted[0]).to(torch.int32)
+        firsts = torch.nonzero(resets[1:]).flatten() + 1
+        self.cu_seqlens = torch.cat((torch.tensor([0]), firsts, torch.tensor([t]))).to(torch.int32)
         self.has_documents = bool(per_chunk.sum() > 1)
         self._on: dict = {}
         self._keep: dict = {}
@@ -88,6 +91,10 @@ class ContiguousChunks:
             self._keep[key] = keep.to(device=device, dtype=dtype)
         return self._keep[key]
 
+    def without_documents(self) -> "ContiguousChunks":
+        """The same row's chunks with no document starts (a model whose kernels reset nowhere)."""
+        return contiguous_chunks(self.seq_len, self.world_size, self.rank, self.layout, self.bounds, False)
+
     def on(self, device) -> "ContiguousChunks":
         """The index and mask tensors on ``device`` (copied once per device)."""
         key = str(torch.device(device))
@@ -95,7 +102,7 @@ class ContiguousChunks:
             copy = object.__new__(ContiguousChunks)
             copy.__dict__.update(self.__dict__)
             for name in ("send_index", "recv_index", "back_index", "restore_index", "cont", "through_all",
-                         "seq_idx"):
+                         "seq_idx", "cu_seqlens"):
                 setattr(copy, name, getattr(self, name).to(device))
             copy._on = {key: copy}
             self._on[key] = copy
@@ -104,12 +111,13 @@ class ContiguousChunks:
 
 @functools.lru_cache(maxsize=32)
 def contiguous_chunks(seq_len: int, world_size: int, rank: int, layout: str,
-                      bounds: tuple | None = None) -> ContiguousChunks:
+                      bounds: tuple | None = None, documents: bool = True) -> ContiguousChunks:
     """The cached :class:`ContiguousChunks` of a row (``bounds``: a packed row's document boundaries
-    as a tuple, ``None`` for one sequence)."""
+    as a tuple, ``None`` for one sequence; ``documents=False``: the bounds place the tokens, but the
+    state crosses them)."""
     if seq_len % world_size:
         raise ValueError(f"state passing: {seq_len} tokens do not split into {world_size} equal chunks")
-    return ContiguousChunks(seq_len, world_size, rank, layout, bounds)
+    return ContiguousChunks(seq_len, world_size, rank, layout, bounds, documents)
 
 
 def _exchange(x: torch.Tensor, group, out_rows: int, send_counts, recv_counts) -> torch.Tensor:

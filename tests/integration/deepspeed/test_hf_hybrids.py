@@ -96,7 +96,17 @@ def _case_packed(model_type, layout="striped"):
 
 
 def _case_gathered(model_type, overrides):
-    """Heads that do not divide by N: the mixer runs gathered (no all-to-all), exact all the same."""
+    """Heads that do not divide by N, state passing ruled out (``$STRIPED_SP_MIXER_MODE=split``; by
+    default these run state passing, tests/integration/deepspeed/test_hf_state_passing.py): the mixer
+    runs gathered (no all-to-all), exact all the same."""
+    os.environ["STRIPED_SP_MIXER_MODE"] = "split"
+    try:
+        _gathered(model_type, overrides)
+    finally:
+        os.environ.pop("STRIPED_SP_MIXER_MODE")
+
+
+def _gathered(model_type, overrides):
     import striped_sp.deepspeed.hybrid as hybrid
     from striped_sp.deepspeed import enable_hf_attention, shard_batch
     from support.token_mixing import tiny_causal_lm

@@ -1,0 +1,160 @@
+"""State passing on the Hugging Face path (issue 55): hybrids' gated delta net, Mamba2 and short
+convolutions run on contiguous chunks joined by their states, exact against the plain model at SP=1.
+
+Each family's own classes at a tiny shape (tests/support/token_mixing.py), weights moved off their
+initialisation, on 2 and 4 gloo ranks: ``$STRIPED_SP_MIXER_MODE=state`` runs state passing where the
+head all-to-all could run too, and heads that do not divide by N (6 value heads on 4 ranks, 2 on 4,
+2 Mamba2 heads on 4) take state passing by themselves, never the gather.  The reference is a copy of
+the model taken before anything of ours touches it, run at SP=1 on the whole batch with transformers'
+own attention; loss to 1e-5 and every gradient summed over the group to 1e-4 (hybrid_cases.compare)."""
+
+import copy
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+pytest.importorskip("transformers")
+
+from dist_helper import check_case, run_cases  # noqa: E402
+from hybrid_cases import batch as _batch, compare as _compare, exchanges as _exchanges  # noqa: E402
+from support.token_mixing import HYBRID_SHAPES as SHAPES  # noqa: E402
+
+DTYPES = {"granitemoehybrid": torch.float32}
+
+
+def _summed(calls):
+    """Counts the state-passing collectives while a case runs: re-layouts and summary/halo gathers."""
+    from striped_sp.engine import state_passing
+
+    real = state_passing._exchange
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    return real, counted
+
+
+def _delta_rule_f64(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers' ``torch_chunk_gated_delta_rule`` as its recurrent form in float64 (transformers' own
+    computes in float32 whatever the model's dtype: a decay's gradient of ~1e-5 then differs by float32
+    rounding between two exact orders of the sums)."""
+    assert initial_state is None and kwargs.get("cu_seqlens") is None
+    q, k, v, g, beta = (t.double() for t in (query, key, value, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    ratio = v.size(2) // k.size(2)
+    q, k = (t.repeat_interleave(ratio, dim=2) for t in (q, k))
+    q = q * q.size(-1) ** -0.5
+    state = q.new_zeros(q.size(0), q.size(2), q.size(3), v.size(3))
+    outs = []
+    for t in range(q.size(1)):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - (state * k[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, t, :, :, None]).sum(-2))
+    out = torch.stack(outs, 1).to(value.dtype)
+    return out, (state if output_final_state else None)
+
+
+def _case(model_type, layout="striped", mode="state", overrides=None, expect="state passing", precise=False):
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    kernel = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if precise:
+        modeling.torch_chunk_gated_delta_rule = _delta_rule_f64
+    try:
+        _run(model_type, layout, mode, overrides, expect)
+    finally:
+        if precise:
+            modeling.torch_chunk_gated_delta_rule = kernel
+
+
+def _run(model_type, layout, mode, overrides, expect):
+    from striped_sp.deepspeed import enable_hf_attention, shard_batch
+    from striped_sp.deepspeed.hybrid import MODE_ENV, mixer_modes, mixer_summary
+    from striped_sp.engine import state_passing
+    from support.token_mixing import tiny_causal_lm
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = tiny_causal_lm(model_type, **{**SHAPES[model_type], **(overrides or {})})[0]
+    model = model.to(DTYPES.get(model_type, torch.float64)).train()
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    full = _batch()
+    ref_out = ref(**full, use_cache=False)
+    ref_out.loss.backward()
+    old = os.environ.get(MODE_ENV)
+    if mode is not None:
+        os.environ[MODE_ENV] = mode
+    calls = [0]
+    real, counted = _summed(calls)
+    state_passing._exchange = counted
+    try:
+        enable_hf_attention(model, None, layout)
+        modes = mixer_modes(model, n)
+        assert modes and all(m == expect for _, m, _ in modes), modes
+        assert f"state passing (" in mixer_summary(model, n), mixer_summary(model, n)
+        with _exchanges() as head_calls:
+            out = model(**shard_batch(full, n, rank, layout), use_cache=False)
+            out.loss.backward()
+    finally:
+        state_passing._exchange = real
+        os.environ.pop(MODE_ENV, None) if old is None else os.environ.__setitem__(MODE_ENV, old)
+    _compare(model, ref, out.loss, ref_out.loss)
+    assert head_calls == [0], head_calls  # no head all-to-all: one re-layout each way, forward and backward
+    assert calls[0] == 4 * len(modes), (calls, len(modes))
+
+
+def _case_bad_mode():
+    from striped_sp.deepspeed.hybrid import MODE_ENV, mixer_mode
+
+    os.environ[MODE_ENV] = "fast"
+    try:
+        with pytest.raises(ValueError, match=r"STRIPED_SP_MIXER_MODE='fast': must be one of auto, state, split"):
+            mixer_mode()
+    finally:
+        os.environ.pop(MODE_ENV)
+
+
+FAMILIES = ("qwen3_next", "falcon_h1", "granitemoehybrid", "lfm2")
+CASES2 = [(f"{t}_striped", _case, (t,)) for t in FAMILIES]
+CASES2 += [(f"qwen3_next_{lay}", _case, ("qwen3_next", lay)) for lay in ("zigzag", "contiguous")]
+CASES2 += [(f"falcon_h1_{lay}", _case, ("falcon_h1", lay)) for lay in ("zigzag", "contiguous")]
+CASES2 += [("bad_mode", _case_bad_mode, ())]
+CASES4 = [(f"{t}_striped", _case, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
+CASES4 += [("qwen3_next_zigzag", _case, ("qwen3_next", "zigzag"))]
+# heads that do not divide by N: state passing by itself (auto), never the gather
+CASES4 += [("qwen3_next_6_heads_auto", _case, ("qwen3_next", "striped", None,
+                                                dict(linear_num_value_heads=6, linear_num_key_heads=2))),
+           ("qwen3_next_2_heads_auto", _case, ("qwen3_next", "striped", None,
+                                                dict(linear_num_value_heads=2, linear_num_key_heads=1),
+                                                "state passing", True)),
+           ("falcon_h1_2_heads_auto", _case, ("falcon_h1", "striped", None,
+                                              dict(mamba_n_heads=2, mamba_d_head=32)))]
+
+
+@pytest.fixture(scope="module")
+def results2():
+    return run_cases(2, CASES2, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return run_cases(4, CASES4, timeout_s=600)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES2])
+def test_state_passing_on_2_ranks(results2, name):
+    check_case(results2, name)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES4])
+def test_state_passing_on_4_ranks(results4, name):
+    check_case(results4, name)
