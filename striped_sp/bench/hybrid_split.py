@@ -107,12 +107,49 @@ def _runner(mode: str, module, split, order, n: int):
     return module
 
 
+def timed_steps(step, reps: int, active: bool, memory: bool, prepare=None, count=None) -> tuple[dict, int]:
+    """``step(*prepare())`` ``reps + 1`` times (the first a warm-up) on the ranks where ``active``, each
+    between barriers of every rank, then once more under :class:`~striped_sp.bench.memory.MemoryPeak`
+    where ``memory``; ``prepare`` (untimed) makes its arguments.  Returns the figures of the busiest rank
+    (``cpu_ms``: the median of its process CPU time; ``ms``: of its wall time; ``peak_mib``: the largest
+    peak of tensor memory above the step's start; 0 where not measured) and what ``count()`` grew by in
+    this rank's last timed step (bytes sent)."""
+    import torch.distributed as dist
+
+    from .memory import MemoryPeak
+
+    prepare = prepare or tuple
+    count = count or (lambda: 0)
+    cpu, wall, sent = [], [], 0
+    for i in range(reps + 1):
+        dist.barrier()
+        if not active:
+            continue
+        args = prepare()
+        c0, t0, b0 = time.process_time(), time.perf_counter(), count()
+        step(*args)
+        if i:
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - t0)
+            sent = count() - b0
+    peak = 0
+    dist.barrier()
+    if active and memory:
+        args = prepare()
+        with MemoryPeak("cpu") as mem:
+            step(*args)
+        peak = mem.peak
+    stats = torch.tensor([median(cpu) if cpu else 0.0, median(wall) if wall else 0.0, float(peak)],
+                         dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return {"cpu_ms": stats[0].item() * 1e3, "ms": stats[1].item() * 1e3, "peak_mib": stats[2].item() / 2**20}, sent
+
+
 def _worker_body(rank, cfg: HybridSplitConfig, n: int, init_file) -> list[dict]:
     import torch.distributed as dist
 
     from ..deepspeed.split import find_split
     from ..engine.natural_order import natural_order
-    from .memory import MemoryPeak
 
     init_rank(rank, n, "cpu", init_file, cfg.timeout_s, threads=1)
     counter = _count_exchange_bytes()
@@ -131,33 +168,17 @@ def _worker_body(rank, cfg: HybridSplitConfig, n: int, init_file) -> list[dict]:
                 x = torch.randn(1, tokens, cfg.hidden, generator=gen)
                 g = torch.randn(1, tokens, cfg.hidden, generator=gen)
                 run = _runner(mode, module, split, order, n)
-                cpu, wall, sent = [], [], 0
-                for i in range(cfg.reps + 1):
-                    dist.barrier()
-                    if mode not in modes:
-                        continue
-                    xi = x.clone().requires_grad_()
-                    c0, t0, b0 = time.process_time(), time.perf_counter(), counter["bytes"]
+
+                def step(xi, run=run, g=g):
                     run(xi).backward(g)
-                    if i:
-                        cpu.append(time.process_time() - c0)
-                        wall.append(time.perf_counter() - t0)
-                        sent = counter["bytes"] - b0
                     module.zero_grad(set_to_none=True)
-                peak = 0
-                dist.barrier()
+
                 measured = cfg.memory_max_seq is None or seq <= cfg.memory_max_seq
-                if mode in modes and measured:
-                    xi = x.clone().requires_grad_()
-                    with MemoryPeak("cpu") as mem:
-                        run(xi).backward(g)
-                    module.zero_grad(set_to_none=True)
-                    peak = mem.peak
-                stats = torch.tensor([median(cpu) if cpu else 0.0, median(wall) if wall else 0.0, float(peak)],
-                                     dtype=torch.float64)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                rec[f"{mode}_cpu_ms"], rec[f"{mode}_ms"] = stats[0].item() * 1e3, stats[1].item() * 1e3
-                rec[f"{mode}_peak_mib"] = stats[2].item() / 2**20 if measured else None
+                stats, sent = timed_steps(step, cfg.reps, mode in modes, measured,
+                                          prepare=lambda x=x: (x.clone().requires_grad_(),),
+                                          count=lambda: counter["bytes"])
+                rec[f"{mode}_cpu_ms"], rec[f"{mode}_ms"] = stats["cpu_ms"], stats["ms"]
+                rec[f"{mode}_peak_mib"] = stats["peak_mib"] if measured else None
                 if mode == "split":
                     rec["split_bytes"] = sent * (n - 1) // n
             if kind == "mamba":  # the all-reduce of x_proj's partial sums, forward and backward
@@ -171,8 +192,8 @@ def _worker_body(rank, cfg: HybridSplitConfig, n: int, init_file) -> list[dict]:
     return records
 
 
-def measure(cfg: HybridSplitConfig) -> list[dict]:
-    """One record per (kind, N, S) (module docstring); ratios against ``sp1``."""
+def spawn_all(cfg: HybridSplitConfig, worker, what: str) -> list[dict]:
+    """``cfg``'s kinds and shapes checked, then ``worker``'s records on ``N`` spawned ranks for each N."""
     for kind in cfg.kinds:
         if kind not in KINDS:
             raise ValueError(f"mixer kind {kind!r}: expected one of {', '.join(KINDS)}")
@@ -182,7 +203,13 @@ def measure(cfg: HybridSplitConfig) -> list[dict]:
                 raise ValueError(f"seq_len {s} does not divide by N={n}")
     records = []
     for n in cfg.world_sizes:
-        records += spawn_ranks(_worker, (cfg, n, "cpu"), n, cfg.timeout_s, f"bench hybrid-split N={n}")[0]
+        records += spawn_ranks(worker, (cfg, n, "cpu"), n, cfg.timeout_s, f"{what} N={n}")[0]
+    return records
+
+
+def measure(cfg: HybridSplitConfig) -> list[dict]:
+    """One record per (kind, N, S) (module docstring); ratios against ``sp1``."""
+    records = spawn_all(cfg, _worker, "bench hybrid-split")
     for r in records:
         n = r["world_size"]
         r["split_cpu_x_n_over_sp1"] = r["split_cpu_ms"] * n / r["sp1_cpu_ms"]
@@ -240,6 +267,10 @@ def register(modes) -> None:
     p.add_argument("--memory-max-seq", type=int, default=None,
                    help="measure peak memory only for rows up to this length (the CPU profiler's own memory grows "
                         "with the row: some GB for a gated delta net at 16k); default: every row")
+    p.add_argument("--model", action="store_true",
+                   help="the whole tiny hybrid of each kind (3 mixer layers, then attention: Qwen3-Next, Bamba, "
+                        "Jamba, LFM2), fwd+bwd of one row: the plain model at SP=1 in one process against the "
+                        "enabled model at SP=N, split and gathered (striped_sp.bench.hybrid_model)")
     p.add_argument("--predict", action="store_true",
                    help="no measurement: a Qwen3-Next-80B-like gated delta net layer's bytes and activations per "
                         "rank, split vs gathered, at --seq-lens and --world-sizes, bf16 (predict_gdn)")
@@ -264,6 +295,8 @@ def _main(args) -> int:
     cfg = HybridSplitConfig(kinds=tuple(k for k in args.kinds.split(",") if k), world_sizes=tuple(args.world_sizes),
                             seq_lens=tuple(args.seq_lens), hidden=args.hidden, reps=args.reps,
                             memory_max_seq=args.memory_max_seq)
+    if args.model:
+        return _main_model(cfg, args.json)
     load0 = load_average()
     recs = measure(cfg)
     print(f"one mixer layer, fwd+bwd, hidden {cfg.hidden}, float32, CPU, gloo, one thread per rank, layout striped; "
@@ -272,4 +305,21 @@ def _main(args) -> int:
     print(format_table(recs, COLUMNS))
     if args.json:
         write_json(args.json, recs)
+    return 0
+
+
+def _main_model(cfg: HybridSplitConfig, json_path) -> int:
+    from . import hybrid_model
+    from .report import format_table, write_json
+
+    recs = hybrid_model.measure_models(cfg)
+    print(f"a tiny hybrid (3 mixer layers, then attention), width {cfg.hidden}, fwd+bwd of one row, float32, CPU, "
+          f"gloo, one thread per rank, layout striped; medians of {cfg.reps} reps;\ncpu ms: the busiest rank's CPU "
+          "time; peak: the largest rank's tensor memory above the step's start; SP=1: the plain model, one "
+          "process\n")
+    print(format_table(recs, hybrid_model.COLUMNS))
+    for r in recs:
+        print(f"{r['kind']}: {r['mixers']}")
+    if json_path:
+        write_json(json_path, recs)
     return 0

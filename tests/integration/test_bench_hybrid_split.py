@@ -54,3 +54,23 @@ def test_predicted_gdn_bytes_from_the_shapes():
     assert r["gathered_act_bytes"] == 131072 * (2 * 16 * 128 + 32 * 130) * 2
     r32 = predict_gdn(131072, 32, **QWEN3_NEXT)
     assert r32["split_bytes"] == 2 * 4096 * (32 * (2 * 1 * 128 + 1 * 130) + 32 * 128) * 2 * 31 / 32
+
+
+def test_model_bench_sp1_against_split_exact(tmp_path):
+    """``--model``: the tiny hybrid's SP=1 (the plain model) and SP=2 (split, gathered) rows, exact."""
+    from striped_sp.bench.hybrid_model import COLUMNS
+    from striped_sp.cli import main
+
+    path = tmp_path / "model.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["bench", "hybrid-split", "--model", "--kinds", "short_conv", "--world-sizes", str(N),
+                     "--seq-lens", str(S), "--hidden", "64", "--reps", "1", "--json", str(path)]) == 0
+    (r,), text = json.loads(path.read_text()), out.getvalue()
+    for key, head in COLUMNS:
+        assert key in r and head in text, key
+    assert r["mixers"] == "mixers: 3 split (short convolution)"
+    assert r["split_loss_rel_diff"] < 1e-5 and r["gathered_loss_rel_diff"] < 1e-5, r
+    assert r["split_grad_rel_diff"] < 1e-4, r
+    for mode in ("sp1", "split", "gathered"):
+        assert r[f"{mode}_cpu_ms"] > 0 and r[f"{mode}_peak_mib"] > 0, mode
