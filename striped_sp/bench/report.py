@@ -33,7 +33,8 @@ def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int
     d = describe(tuple(bounds), world_size, stripe, place)
     chosen = f"; stripe_size {d['stripe_size']}, {d['steps']} ring steps" if stripe == "auto" else ""
     if stripe != lay.stripe_size:
-        chosen = (f"; {'one document' if len(bounds) <= 2 else 'packed'}: stripes of {stripe}"
+        words = "zigzag's order (2N stripes mirrored)" if stripe == "doc" else f"stripes of {stripe}"
+        chosen = (f"; {'one document' if len(bounds) <= 2 else 'packed'}: {words}"
                   + (" (the window hint)" if lay.window is not None else ""))
     return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}{chosen}",
             "plan_stripe_size": d["stripe_size"], "plan_whole_max": d["whole_max"],

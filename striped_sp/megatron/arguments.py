@@ -62,12 +62,22 @@ def layout_of(algo: str) -> str:
     return get_layout(algo if ":" in algo else layout).key
 
 
-def rows_layout(layout: str) -> str:
+def rows_layout(layout: str, seq_len: int | None = None, size: int | None = None) -> str:
     """The layout a ``[b, s]`` batch runs (``--reset-attention-mask`` documents inside whole rows):
     the rows share one RoPE table, so their documents are never placed, and the bare default (the
-    per-batch search, which places the documents of packed THD rows) runs stripes of 1 there, in
-    the batch slicing and the attention alike; any other layout as it is."""
-    return "striped:stripe=1" if layout == get_layout("striped").key and get_layout(layout).auto else layout
+    per-batch search, which places the documents of packed THD rows) runs there what it runs on a
+    row of one document of ``seq_len`` tokens on ``size`` ranks
+    (:func:`~striped_sp.plan.dense_choice.dense_choice`), pinned so that documents move no token:
+    zigzag's order (``striped:stripe=S/2N,order=mirror``, zigzag's dense plans) or stripes of 1 (also
+    without ``seq_len``), in the batch slicing, RoPE and the attention alike; any other layout as it is."""
+    if layout != get_layout("striped").key or not get_layout(layout).auto:
+        return layout
+    if seq_len is not None and size is not None and size > 1:
+        from ..plan.dense_choice import dense_choice
+
+        if dense_choice(int(seq_len), int(size))[0] == "doc":
+            return f"striped:stripe={int(seq_len) // (2 * int(size))},order=mirror"
+    return "striped:stripe=1"
 
 
 def algo_of(args) -> str:

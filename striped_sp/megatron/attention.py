@@ -265,7 +265,7 @@ class ContextParallelAttention(MegatronModule):
         else:
             documents = self._documents(attention_mask, q.size(1), q.size(0))
             rows = None if documents is None else [documents[i % len(documents)] for i in range(q.size(0))]
-        layout = self.layout if thd else rows_layout(self.layout)  # as the batch slicing placed [b, s] rows
+        layout = self.layout if thd else rows_layout(self.layout, seq_len, size)  # as the batch slicing placed [b, s] rows
         if rows is None or rows == [None]:
             out = self._ring(q, k, v, causal, None, layout)
         elif get_layout(layout).flattens_rows(q.size(1)):

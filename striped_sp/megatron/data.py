@@ -78,8 +78,11 @@ def get_batch_on_this_cp_rank(
         out, _ = get_thd_batch_on_this_cp_rank(batch, batch["cu_seqlens"], batch.get("cu_seqlens_padded"),
                                                batch.get("max_seqlen"), algo=algo, cp_group=cp_group)
         return out
-    layout = rows_layout(layout_of(algo))  # [b, s] rows: documents never placed
     size, rank = cp_size_and_rank(cp_group)
+    seqs = {val.size(2 if key == "attention_mask" else 1) for key, val in batch.items()
+            if isinstance(val, torch.Tensor) and key not in _THD_SKIP[1:] and val.dim() > (2 if key == "attention_mask" else 1)}
+    # [b, s] rows: documents never placed; the default's order by the row length (arguments.rows_layout)
+    layout = rows_layout(layout_of(algo), *((next(iter(seqs)), size) if len(seqs) == 1 else ()))
     mask = batch.get("attention_mask")
     documents = packed.documents_from_mask(mask) if isinstance(mask, torch.Tensor) else None
     if size == 1:
@@ -217,8 +220,9 @@ def roll_tensor(
         return fn(tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params)
     dim = dims % tensor.dim()
     size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    layout = layout_of(algo)
     seq = tensor.size(dim) * size
+    # [b, s] rows: as the batch slicing placed them (arguments.rows_layout); packed rows by their documents
+    layout = layout_of(algo) if packed_seq_params is not None else rows_layout(layout_of(algo), seq, size)
     bounds = cut = None
     if packed_seq_params is not None:
         # roll inside each document's real tokens (padding apart); zigzag shards by padded documents

@@ -21,7 +21,7 @@ import torch
 
 from ..plan.layouts import positions
 from ..plan.packing import document_positions
-from .arguments import NATIVE_LAYOUT, layout_of
+from .arguments import NATIVE_LAYOUT, layout_of, rows_layout
 
 __all__ = ["get_pos_emb_on_this_cp_rank", "apply_rotary_pos_emb_thd", "cpu_fallback"]
 
@@ -33,8 +33,9 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group, *
     """
     if cp_group is None:
         raise ValueError("cp_group must be given to select this CP rank's rotary positions")
-    layout = NATIVE_LAYOUT if algo == "native" else layout_of(algo)
     size, rank = cp_group.size(), cp_group.rank()
+    # [b, s] rows: the layout the batch slicing placed them by (arguments.rows_layout)
+    layout = NATIVE_LAYOUT if algo == "native" else rows_layout(layout_of(algo), pos_emb.size(seq_dim), size)
     idx = positions(pos_emb.size(seq_dim), size, rank, layout).to(pos_emb.device)
     return pos_emb.index_select(seq_dim, idx)
 

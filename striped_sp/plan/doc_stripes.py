@@ -185,14 +185,19 @@ def run_tables(n_ranks: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat([p[r] for p in pieces]) for r in range(n_ranks)]
 
 
-def striped_rows(bounds: tuple, docs: list[int], n_ranks: int, stripe: int) -> torch.Tensor:
+def striped_rows(bounds: tuple, docs: list[int], n_ranks: int, stripe: int, order: str = "round") -> torch.Tensor:
     """The runs of documents ``docs`` of a row dealt as one sub-row (in that order) in stripes of
     ``stripe`` tokens, stripe ``g`` to rank ``g % N`` (``stripe == 1``: one run of step ``N`` per
-    document and rank): int64 rows ``(rank, first position, count, step)``, grouped by rank in
-    rank order, each rank's in sub-row order (for :func:`run_tables`)."""
+    document and rank; ``order="mirror"``: :func:`~striped_sp.plan.mirror.mirrored_rows`): int64 rows
+    ``(rank, first position, count, step)``, grouped by rank in rank order, each rank's in sub-row
+    order (for :func:`run_tables`)."""
     n = n_ranks
     start = torch.tensor([bounds[d] for d in docs], dtype=torch.int64)
     length = torch.tensor([bounds[d + 1] - bounds[d] for d in docs], dtype=torch.int64)
+    if order == "mirror":
+        from .mirror import mirrored_rows
+
+        return mirrored_rows(start, length, n, stripe)
     offset = torch.cumsum(length, 0) - length  # where each document starts in the sub-row
     if stripe == 1:
         ranks = torch.arange(n)

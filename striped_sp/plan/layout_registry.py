@@ -20,13 +20,14 @@ ALGOS: dict[str, str] = {"striped": "striped", "zigzag": "zigzag", "ring": "cont
 
 def _parse_params(text: str) -> dict:
     """``"stripe=128,place=auto"`` -> ``{"stripe_size": 128, "doc_placement": "auto"}``."""
-    names = {"stripe": "stripe_size", "place": "doc_placement", "window": "window", "global_every": "global_every"}
+    names = {"stripe": "stripe_size", "place": "doc_placement", "window": "window", "global_every": "global_every",
+             "order": "order"}
     params = {}
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")
         if not sep or key.strip() not in names:
             raise ValueError(f"layout parameter {item!r}: expected stripe=<int>|doc|auto, place=split|auto|<int>, "
-                             "window=<int> or global_every=<int>")
+                             "window=<int>, global_every=<int> or order=round|mirror")
         val = val.strip()
         params[names[key.strip()]] = int(val) if re.fullmatch(r"-?[0-9]+", val) else val
     return params
@@ -44,7 +45,7 @@ def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placeme
         base, params = layout, {}
         if isinstance(layout, Striped) and not layout.default:
             params = {"stripe_size": layout.stripe_size, "doc_placement": layout.doc_placement,
-                      "window": layout.window, "global_every": layout.global_every}
+                      "window": layout.window, "global_every": layout.global_every, "order": layout.order}
     else:
         if not isinstance(layout, str):
             raise ValueError(f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}")
@@ -53,7 +54,7 @@ def get_layout(layout: str | Layout, stripe_size: int | None = None, doc_placeme
             raise ValueError(f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}")
         base, params = LAYOUTS[name], _parse_params(rest)
         if params and name != "striped":
-            raise ValueError(f"layout {layout!r}: only 'striped' takes stripe / place / window parameters")
+            raise ValueError(f"layout {layout!r}: only 'striped' takes stripe / place / window / order parameters")
     given = {k: v for k, v in (("stripe_size", stripe_size), ("doc_placement", doc_placement)) if v is not None}
     if given and not isinstance(base, Striped):
         raise ValueError(f"stripe_size / doc_placement ({given}) apply to layout 'striped' only, not {base.name!r}")

@@ -30,6 +30,7 @@ import torch
 
 from . import doc_stripes
 from .cost import CostModel, model_named
+from .mirror import striped_room
 from .solver import assign_greedy
 
 __all__ = ["check_placement", "check_stripe_size", "predict", "table_step_entries"]
@@ -60,10 +61,10 @@ def _lengths(bounds: tuple) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _striped_runs(bounds, striped: list[int], world_size: int, stripe: int) -> list[list[tuple]]:
+def _striped_runs(bounds, striped: list[int], world_size: int, stripe: int, order: str = "round") -> list[list[tuple]]:
     """Per rank, the runs ``(first_position, count, step)`` of the striped documents (indices
     ``striped``), dealt in row order as one sub-row."""
-    rows = doc_stripes.striped_rows(bounds, striped, world_size, stripe)
+    rows = doc_stripes.striped_rows(bounds, striped, world_size, stripe, order)
     per_rank = torch.bincount(rows[:, 0], minlength=world_size).tolist()
     return [list(map(tuple, r[:, 1:].tolist())) for r in torch.split(rows, per_rank)]
 
@@ -103,12 +104,12 @@ def _assign_whole(bounds, whole: list[int], capacity: list[int], cut_max: int):
     return [c + sorted(k) for c, k in zip(cut, kept)], work, unfit
 
 
-def _striped_capacity(bounds, striped, world_size, stripe, local):
-    runs = _striped_runs(bounds, striped, world_size, stripe)
+def _striped_capacity(bounds, striped, world_size, stripe, local, order="round"):
+    runs = _striped_runs(bounds, striped, world_size, stripe, order)
     return runs, [local - sum(c for _, c, _ in r) for r in runs]
 
 
-def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int, tables: bool = True):
+def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int, tables: bool = True, order: str = "round"):
     """``(run tables per rank, whole documents, striped documents, whole entries per rank)``
     (``tables=False``: per rank the ``(first_position, count)`` of the documents placed whole or
     cut instead of the tables).
@@ -137,10 +138,7 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int, tables: 
         if attempt == 2 * n:
             cut_max = local  # give up moving documents: cut what is left (predict counts the cost)
         # the striped sub-row is dealt in whole rounds of N stripes, then a part round
-        rounds, rest = divmod(striped_tokens, n * stripe)
-        full, part = divmod(rest, stripe)  # ranks 0..full-1 get a stripe more, rank `full` part of one
-        room = local - rounds * stripe
-        capacity = [room - stripe] * full + [room - part] + [room] * (n - full - 1)
+        capacity = striped_room(striped_tokens, n, stripe, local, order)
         if min(capacity) < 0 or (not whole and max(capacity) > 0):
             raise ValueError(
                 f"stripe_size={stripe}: the striped documents ({seq_len - sum(capacity)} tokens) do not fall "
@@ -163,15 +161,15 @@ def _place(bounds: tuple, world_size: int, stripe: int, whole_max: int, tables: 
     if not tables:
         return placed, whole, striped, entries
     placed_rows = torch.tensor([(r, p, c, 1) for r in range(n) for p, c in placed[r]], dtype=torch.int64)
-    tables = doc_stripes.run_tables(n, [doc_stripes.striped_rows(bounds, striped, n, stripe), placed_rows])
+    tables = doc_stripes.run_tables(n, [doc_stripes.striped_rows(bounds, striped, n, stripe, order), placed_rows])
     return tables, whole, striped, entries
 
 
-def _placed_pieces(bounds: tuple, world_size: int, stripe: int, whole_max: int):
+def _placed_pieces(bounds: tuple, world_size: int, stripe: int, whole_max: int, order: str = "round"):
     """``(pieces, striped)`` of :func:`_place` without its run tables, for predictions: per rank the
     ``(document, count)`` of the documents placed whole or cut (:func:`_whole_pieces` of the
     tables, empty pieces left out), and the striped documents."""
-    placed, _, striped, _ = _place(bounds, world_size, stripe, whole_max, tables=False)
+    placed, _, striped, _ = _place(bounds, world_size, stripe, whole_max, tables=False, order=order)
     # the document holding a piece's first position: the last one starting at or before it
     return [[(bisect.bisect_right(bounds, p) - 1, c) for p, c in rows if c] for rows in placed], striped
 
@@ -277,7 +275,8 @@ def table_step_entries(bounds: tuple, world_size: int, tables: list) -> torch.Te
     return torch.stack([pairs[ranks, (ranks - t) % n] for t in range(n)])
 
 
-def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str | None = None) -> dict:
+def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostModel | str | None = None,
+            order: str = "round") -> dict:
     """A placement's ``balance``: critical path over ideal in score entries (the sum over ring steps
     of the busiest rank's visible entries, :func:`table_step_entries`, over the row's visible entries
     spread evenly on ``N`` ranks: what ``bench balance`` prints for the plan), and the model's ``ms``,
@@ -287,11 +286,14 @@ def predict(bounds, world_size: int, stripe: int, whole_max: int, model: CostMod
     bounds = tuple(bounds)
     if stripe == "doc":
         return _predict_doc(bounds, world_size, whole_max, model)
-    tables, whole, striped, _ = _place(bounds, world_size, stripe, whole_max)
+    tables, whole, striped, _ = _place(bounds, world_size, stripe, whole_max, order=order)
     pieces = _whole_pieces(bounds, tables, whole)
     lengths = _lengths(bounds)
     ideal = sum(_entries(n) for n in lengths) / world_size
-    balance = float(table_step_entries(bounds, world_size, tables).max(1).values.sum()) / ideal
+    try:
+        balance = float(table_step_entries(bounds, world_size, tables).max(1).values.sum()) / ideal
+    except ValueError:  # mirrored stripes of 1: two strided runs per document and rank, no closed form here
+        balance = float("nan")
     whole_ns = [sum(model.call(c, c, True) for _, c in rows) for rows in pieces]
     per_step = sum(_striped_doc_ns(model, lengths[d], world_size, stripe) for d in striped)
     return {"balance": balance, "ms": (max(whole_ns) + world_size * per_step) / 1e6}

@@ -70,19 +70,22 @@ class Prediction:
     #: predicted from counts before the placement's fix-up (per-document stripes only, not the exact
     #: prediction): ruled out by :data:`COARSE_MARGIN`, never chosen
     coarse: bool = False
+    #: how an int stripe size's stripes are dealt (:mod:`striped_sp.plan.mirror`): "round" or "mirror"
+    order: str = "round"
 
     @property
     def layout_params(self) -> dict:
-        return {"stripe_size": self.stripe_size, "doc_placement": self.whole_max or "split"}
+        params = {"stripe_size": self.stripe_size, "doc_placement": self.whole_max or "split"}
+        return params if self.order == "round" else {**params, "order": self.order}
 
 
 def _lengths(bounds: tuple) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False):
+def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False, order="round"):
     """Per-step forward compute (ns) on the slowest rank and the tokens each rank keeps private."""
-    pieces, striped = placement._placed_pieces(bounds, world_size, stripe, whole_max)
+    pieces, striped = placement._placed_pieces(bounds, world_size, stripe, whole_max, order)
     lengths = _lengths(bounds)
     if even_only and stripe > 1 and any(lengths[d] < stripe * world_size for d in striped):
         # a document on fewer ranks than N falls unevenly: outside what the model describes
@@ -91,14 +94,15 @@ def _striped_steps(bounds, world_size, stripe, whole_max, model, even_only=False
     counts = torch.tensor([c for rows in pieces for _, c in rows], dtype=torch.float64)
     whole_ns = torch.zeros(world_size, dtype=torch.float64).index_add_(
         0, torch.repeat_interleave(torch.arange(world_size), sizes), _call_ns(model, counts, counts)).tolist()
-    per_step = float(_striped_docs_ns(model, torch.tensor([lengths[d] for d in striped], dtype=torch.float64),
-                                      world_size, stripe).sum())
+    striped_lengths = torch.tensor([lengths[d] for d in striped], dtype=torch.float64)
+    per_step = float(_striped_docs_ns(model, striped_lengths, world_size, stripe).sum())
+    later = per_step if order == "round" else float(_mirrored_later_ns(model, striped_lengths, world_size, stripe).sum())
     cross = placement._cross_entries(pieces)  # cut documents: their cross-rank blocks, dense
     private = [sum(c for d, c in rows if c == lengths[d]) for rows in pieces]
     ring = bool(striped) or any(c != lengths[d] for rows in pieces for d, c in rows)  # striped or cut
     compute = [max(whole_ns) + per_step]
     if ring and world_size > 1:
-        compute += [per_step] * (world_size - 1)
+        compute += [later] * (world_size - 1)
         compute[1] += cross * model.ns_per_entry
     return compute, private
 
@@ -124,6 +128,16 @@ def _striped_docs_ns(model: CostModel, lengths: torch.Tensor, world_size: int, s
     return torch.where(k <= 1, one, k * square + dense + (k - 1) * model.call_ns)
 
 
+def _mirrored_later_ns(model: CostModel, lengths: torch.Tensor, world_size: int, stripe: int) -> torch.Tensor:
+    """A ring step after the first of mirrored stripes (:mod:`striped_sp.plan.mirror`), per document
+    (float64): every rank's ``k`` query stripes meet ``k^2 / 2`` of the source's key stripes' dense
+    squares (a prefix call per query stripe, no diagonal); a document of at most ``N`` stripes as
+    round-robin's (one piece per rank)."""
+    k = lengths / world_size / stripe
+    dense = model.ns_per_entry * (k * k / 2 * stripe * stripe) * (1 + model.small_rows / stripe) + k * model.call_ns
+    return torch.where(k <= 1, _striped_docs_ns(model, lengths, world_size, stripe), dense)
+
+
 def _doc_steps(bounds, world_size, whole_max, model, coarse=False):
     _, kept, split, counts = doc_stripes.place(bounds, world_size, whole_max, tables=False, coarse=coarse)
     lengths = _lengths(bounds)
@@ -135,21 +149,22 @@ def _doc_steps(bounds, world_size, whole_max, model, coarse=False):
 
 
 def predict_ring(bounds, world_size: int, stripe_size, whole_max: int, model: CostModel | str | None = None,
-                 even_only: bool = False, coarse: bool = False) -> Prediction:
+                 even_only: bool = False, coarse: bool = False, order: str = "round") -> Prediction:
     """The model's forward+backward time per head of one candidate (``ValueError`` if infeasible;
     ``even_only``: also for a stripe size under which a striped document spans fewer than N stripes;
-    ``coarse``: per-document stripes predicted from their counts before the fix-up)."""
+    ``coarse``: per-document stripes predicted from their counts before the fix-up; ``order``: how an
+    int stripe size's stripes are dealt, :mod:`striped_sp.plan.mirror`)."""
     model = model_named(model)
     bounds = tuple(bounds)
     if stripe_size == "doc":
         compute, private = _doc_steps(bounds, world_size, whole_max, model, coarse)
     else:
-        compute, private = _striped_steps(bounds, world_size, stripe_size, whole_max, model, even_only)
+        compute, private = _striped_steps(bounds, world_size, stripe_size, whole_max, model, even_only, order)
     local = bounds[-1] // world_size
     carried = [local - min(private)] * (len(compute) - 1) + [0]
     ns = model.ring_ns(compute, carried)
     return Prediction(stripe_size, whole_max, ns / 1e6, len(compute), tuple(c / 1e6 for c in compute), tuple(carried),
-                      coarse=coarse and stripe_size == "doc")
+                      coarse=coarse and stripe_size == "doc", order="round" if stripe_size == "doc" else order)
 
 
 def predict_zigzag(bounds, world_size: int, model: CostModel | str | None = None) -> Prediction:
@@ -186,29 +201,30 @@ def _whole_maxes(local: int, lengths: list[int]) -> list[int]:
     return kept
 
 
-def _try(bounds, world_size, stripe, whole_max, model, even_only=False, coarse=False):
+def _try(bounds, world_size, stripe, whole_max, model, even_only=False, coarse=False, order="round"):
     try:
-        return predict_ring(bounds, world_size, stripe, whole_max, model, even_only, coarse)
+        return predict_ring(bounds, world_size, stripe, whole_max, model, even_only, coarse, order)
     except ValueError:
         return None
 
 
 def search(bounds, world_size: int, model: CostModel | str | None = None, stripe_size="auto",
-           doc_placement="auto") -> tuple[Prediction, list[Prediction]]:
+           doc_placement="auto", order: str = "round") -> tuple[Prediction, list[Prediction]]:
     """``(chosen, every candidate predicted)`` for a packed row with boundaries ``bounds``; a
     candidate with ``coarse`` set was ruled out on a coarse prediction (:data:`COARSE_MARGIN`), its
     ``ms`` not the exact one.
 
     ``stripe_size``: ``"auto"`` (every stripe size) or a fixed one; ``doc_placement``: ``"auto"``
-    (every ``whole_max``), ``"split"`` or an int (fixed).  ``ValueError`` when no candidate fits."""
+    (every ``whole_max``), ``"split"`` or an int (fixed); ``order`` (a fixed int stripe size): how its
+    stripes are dealt (``"auto"`` stripe sizes try both orders).  ``ValueError`` when no candidate fits."""
     model = model_named(model)
-    return _search(tuple(int(b) for b in bounds), world_size, model, stripe_size, doc_placement)
+    return _search(tuple(int(b) for b in bounds), world_size, model, stripe_size, doc_placement, order)
 
 
 # a cache beside the plan cache: a pure function of (row, N, model, knobs), the model resolved and in
 # the key; asked for one row by every rank's plan, the loader and describe(); 16 rows of candidates
 @functools.lru_cache(maxsize=16)
-def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_placement):
+def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_placement, order="round"):
     local = bounds[-1] // world_size
     lengths = _lengths(bounds)
     if doc_placement == "auto":
@@ -224,13 +240,12 @@ def _search(bounds: tuple, world_size: int, model: CostModel, stripe_size, doc_p
     else:
         families, sizes = [stripe_size], []
     tried = [p for stripe in families if stripe != "doc" for w in maxes
-             if (p := _try(bounds, world_size, stripe, w, model))]
-    for s in sizes:  # one joint search: every stripe size with every whole_max
+             if (p := _try(bounds, world_size, stripe, w, model, order=order))]
+    for s in sizes:  # one joint search: every stripe size with every whole_max, dealt both ways
         for w in maxes:
             if any(w < n < s * world_size for n in lengths):
                 continue  # a striped document on fewer than N stripes (predict_ring's even_only)
-            if (p := _try(bounds, world_size, s, w, model, even_only=True)):
-                tried.append(p)
+            tried += [p for o in ("round", "mirror") if (p := _try(bounds, world_size, s, w, model, True, order=o))]
     if "doc" in families and stripe_size == "auto":  # coarsely first; exactly where it may be the fastest
         rough = sorted((p for w in maxes if (p := _try(bounds, world_size, "doc", w, model, coarse=True))),
                        key=lambda p: p.ms)
@@ -254,7 +269,7 @@ def preference(p: Prediction) -> tuple:
     then per-document stripes, stripes of 1, stripe sizes (smallest first): per-document stripes
     measured at least as fast as stripes of 1 on every packed mix (docs/tuning.md, "Choosing a plan")."""
     family = {"doc": 0, 1: 1}.get(p.stripe_size, 2)
-    return p.whole_max, family, 0 if isinstance(p.stripe_size, str) else p.stripe_size
+    return p.whole_max, family, 0 if isinstance(p.stripe_size, str) else p.stripe_size, p.order != "round"
 
 
 def choose_whole_max(bounds, world_size: int, stripe=1, model: CostModel | str | None = None) -> int:
@@ -262,29 +277,32 @@ def choose_whole_max(bounds, world_size: int, stripe=1, model: CostModel | str |
     return search(bounds, world_size, model, stripe, "auto")[0].whole_max
 
 
-def _resolve(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel):
-    """``(stripe_size, whole_max)`` that a striped layout with these parameters runs on a packed row."""
+def _resolve(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel, order="round"):
+    """``(stripe_size, whole_max, order)`` that a striped layout with these parameters runs on a packed row."""
     if stripe == "auto" or doc_placement == "auto":
-        chosen = search(bounds, world_size, model, stripe, doc_placement)[0]
-        return chosen.stripe_size, chosen.whole_max
-    return stripe, 0 if doc_placement == "split" else doc_placement
+        chosen = search(bounds, world_size, model, stripe, doc_placement, order)[0]
+        return chosen.stripe_size, chosen.whole_max, chosen.order
+    return stripe, 0 if doc_placement == "split" else doc_placement, order
 
 
-def placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel | None = None) -> list:
+def placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel | None = None,
+                order: str = "round") -> list:
     """Per rank, the int64 run table ``[runs, 4]`` (local start, first position, count, step) of a
     packed row with boundaries ``bounds`` under a striped layout (``auto`` parameters resolved by
-    :func:`search` with ``model``, default :func:`~striped_sp.plan.cost.default_model`; cached).
+    :func:`search` with ``model``, default :func:`~striped_sp.plan.cost.default_model`; cached;
+    ``order``: how a fixed int stripe size's stripes are dealt, :mod:`striped_sp.plan.mirror`).
     ``ValueError`` when the stripes cannot fill the ranks evenly."""
-    return _placed_runs(tuple(bounds), world_size, stripe, doc_placement, model_named(model))
+    return _placed_runs(tuple(bounds), world_size, stripe, doc_placement, model_named(model), order)
 
 
-def _plan_words(stripe, whole_max: int) -> str:
+def _plan_words(stripe, whole_max: int, order: str = "round") -> str:
     kind = {"doc": "per-document stripes", 1: "stripes of 1"}.get(stripe, f"stripes of {stripe}")
+    kind += " mirrored" if order == "mirror" else ""
     return kind + (f", documents <= {whole_max} tokens whole" if whole_max else "")
 
 
 def decision(bounds, world_size: int, stripe="auto", doc_placement="auto",
-             model: CostModel | str | None = None) -> str:
+             model: CostModel | str | None = None, order: str = "round") -> str:
     """What a striped layout with these parameters runs on the packed row ``bounds``, and why, in one
     line (for the log at DEBUG and :attr:`RingPlan.decision <striped_sp.plan.ring_plan.RingPlan>`): the
     plan chosen with its predicted forward+backward time per head and ring steps, how many candidates
@@ -294,25 +312,24 @@ def decision(bounds, world_size: int, stripe="auto", doc_placement="auto",
     model = model_named(model)
     if stripe != "auto" and doc_placement != "auto":
         whole = 0 if doc_placement == "split" else doc_placement
-        return f"pinned: {_plan_words(stripe, whole)} (stripe_size={stripe!r}, doc_placement={doc_placement!r})"
-    chosen, tried = search(bounds, world_size, model, stripe, doc_placement)
+        return (f"pinned: {_plan_words(stripe, whole, order)} (stripe_size={stripe!r}, doc_placement={doc_placement!r}"
+                + (f", order={order!r})" if order != "round" else ")"))
+    chosen, tried = search(bounds, world_size, model, stripe, doc_placement, order)
     rough = sum(p.coarse for p in tried)
     tried = [p for p in tried if not p.coarse]
-    others = sorted((p for p in tried if (p.stripe_size, p.whole_max) != (chosen.stripe_size, chosen.whole_max)),
-                    key=lambda p: p.ms)
+    others = sorted((p for p in tried if p.layout_params != chosen.layout_params), key=lambda p: p.ms)
+    order_word = f", order={chosen.order!r}" if chosen.order != "round" else ""
     line = (f"searched {len(tried)} striped plans for {len(bounds) - 1} documents on {world_size} ranks by the "
-            f"cost model {model.label!r}: {_plan_words(chosen.stripe_size, chosen.whole_max)} "
-            f"(stripe_size={chosen.stripe_size!r}, whole_max={chosen.whole_max}), predicted {chosen.ms:.2f} ms "
-            f"fwd+bwd per head, {chosen.steps} ring step{'s' if chosen.steps > 1 else ''}")
+            f"cost model {model.label!r}: {_plan_words(chosen.stripe_size, chosen.whole_max, chosen.order)} "
+            f"(stripe_size={chosen.stripe_size!r}, whole_max={chosen.whole_max}{order_word}), predicted "
+            f"{chosen.ms:.2f} ms fwd+bwd per head, {chosen.steps} ring step{'s' if chosen.steps > 1 else ''}")
     if others:
         best = others[0]
-        line += (f"; next {_plan_words(best.stripe_size, best.whole_max)} {best.ms:.2f} ms "
+        line += (f"; next {_plan_words(best.stripe_size, best.whole_max, best.order)} {best.ms:.2f} ms "
                  f"({best.ms / chosen.ms - 1:+.1%})")
     zig = predict_zigzag(bounds, world_size, model)
-    fastest = min(p.ms for p in tried)
-    if zig.ms < fastest:
-        line += (f"; zigzag predicted faster than every striped plan ({zig.ms:.2f} ms, {zig.ms / fastest - 1:+.1%}):"
-                 " the layout named is kept (layout='zigzag' to use it)")
+    line += (f"; zigzag (its mirrored order on documents padded to 2N) {zig.ms:.2f} ms "
+             f"({zig.ms / chosen.ms - 1:+.1%}; per-document stripes are its order unpadded)")
     if rough:
         line += f"; {rough} more per-document plans ruled out on a coarse prediction"
     return line
@@ -322,14 +339,14 @@ def decision(bounds, world_size: int, stripe="auto", doc_placement="auto",
 # key), asked for by each rank's plan and by shard / unshard / positions; 64 rows' tables.  Its size
 # is also placements_made(), which calibrate_cost_model refuses after
 @functools.lru_cache(maxsize=64)
-def _placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel) -> list:
+def _placed_runs(bounds: tuple, world_size: int, stripe, doc_placement, model: CostModel, order="round") -> list:
     if _log.isEnabledFor(logging.DEBUG) and (stripe == "auto" or doc_placement == "auto"):
         _log.debug("striped layout (stripe_size=%r, doc_placement=%r) on a packed row: %s", stripe, doc_placement,
                    decision(bounds, world_size, stripe, doc_placement, model))
-    stripe, whole_max = _resolve(bounds, world_size, stripe, doc_placement, model)
+    stripe, whole_max, order = _resolve(bounds, world_size, stripe, doc_placement, model, order)
     if stripe == "doc":
         return doc_stripes.place(bounds, world_size, whole_max)[0]
-    return placement._place(bounds, world_size, stripe, whole_max)[0]
+    return placement._place(bounds, world_size, stripe, whole_max, order=order)[0]
 
 
 def placements_made() -> bool:
@@ -344,15 +361,16 @@ def describe(bounds, world_size: int, stripe, doc_placement, model: CostModel | 
     and ``predicted_ms`` forward+backward per head with its ring ``steps`` (:func:`predict_ring`)."""
     bounds = tuple(int(b) for b in bounds)
     model = model_named(model)
-    stripe, whole_max = _resolve(bounds, world_size, stripe, doc_placement, model)
+    stripe, whole_max, order = _resolve(bounds, world_size, stripe, doc_placement, model)
     if stripe == "doc":
         kept = sum(len(docs) for docs in doc_stripes.place(bounds, world_size, whole_max)[1])
     else:
-        tables, whole, _, _ = placement._place(bounds, world_size, stripe, whole_max)
+        tables, whole, _, _ = placement._place(bounds, world_size, stripe, whole_max, order=order)
         lengths = _lengths(bounds)
         kept = sum(1 for rows in placement._whole_pieces(bounds, tables, whole) for d, c in rows if c == lengths[d])
-    pred = placement.predict(bounds, world_size, stripe, whole_max, model)
-    ring = predict_ring(bounds, world_size, stripe, whole_max, model)
-    return {"stripe_size": stripe, "whole_max": whole_max, "whole_documents": kept, "documents": len(bounds) - 1,
+    pred = placement.predict(bounds, world_size, stripe, whole_max, model, order)
+    ring = predict_ring(bounds, world_size, stripe, whole_max, model, order=order)
+    return {"stripe_size": stripe, "whole_max": whole_max, "order": order, "whole_documents": kept,
+            "documents": len(bounds) - 1,
             "balance": pred["balance"], "predicted_forward_ms": pred["ms"], "predicted_ms": ring.ms,
             "steps": ring.steps, "cost_model": model.label}

@@ -5,6 +5,7 @@ window hint; :class:`Striped` resolves what each row runs (:meth:`Striped.row_pl
 
 from __future__ import annotations
 
+from .chunk_layouts import Zigzag
 from .layout_base import _ALL, BlockCall, Layout
 
 __all__ = ["Striped"]
@@ -42,13 +43,18 @@ class Striped(Layout):
     name = "striped"
 
     def __init__(self, stripe_size: int | str | None = None, doc_placement=None, window: int | None = None,
-                 global_every: int | None = None):
+                 global_every: int | None = None, order: str | None = None):
+        from .mirror import check_order
         from .placement import check_placement, check_stripe_size
         from .stripe_choice import check_window_hint
 
         #: no parameter given: the default, the per-batch search (key "striped")
-        self.default = stripe_size is None and doc_placement is None and window is None and global_every is None
+        self.default = (stripe_size is None and doc_placement is None and window is None and global_every is None
+                        and order is None)
         self.window, self.global_every = check_window_hint(window, global_every)
+        #: how an int stripe size's stripes are dealt: "round" (g to rank g mod N) or "mirror"
+        #: (zigzag's order, :mod:`striped_sp.plan.mirror`)
+        self.order = check_order("round" if order is None else order)
         given_stripe = stripe_size
         if stripe_size is None:  # a placement alone keeps token-by-token stripes (as before the default)
             stripe_size = "auto" if doc_placement is None else 1
@@ -65,8 +71,13 @@ class Striped(Layout):
         # whole documents (or per-document stripes) fill each rank up to S/N exactly, so only a
         # plain striped row needs S % (N*s) == 0
         self.seq_multiple = 1 if self.places_documents else self.stripe_size
-        self.dense_plans = self.stripe_size in (1, "auto")
-        self.strict_block = self.stripe_size in (1, "auto")
+        self.mirror = self.order == "mirror"
+        if self.mirror and not isinstance(self.stripe_size, int):
+            raise ValueError(f"layout parameter order='mirror' needs an int stripe size, got stripe_size="
+                             f"{self.stripe_size!r} ('doc' stripes every document in zigzag's mirrored order already; "
+                             "the default 'auto' tries both orders itself)")
+        self.dense_plans = self.stripe_size in (1, "auto") and not self.mirror
+        self.strict_block = self.dense_plans
         if self.window is not None:
             if not self.auto:
                 pinned = (f"stripe_size={given_stripe!r} pins the stripes it would choose" if given_stripe is not None
@@ -85,6 +96,8 @@ class Striped(Layout):
             params.append(f"stripe={self.stripe_size}")
         if self.placed != self.auto or (self.placed and self.doc_placement != "auto"):
             params.append(f"place={self.doc_placement}")  # "auto" stripes place "auto" unless told
+        if self.mirror:
+            params.append("order=mirror")
         if self.window is not None:
             if params == ["stripe=auto"]:  # the default's search: "striped:window=W" says it
                 params = []
@@ -100,8 +113,10 @@ class Striped(Layout):
         :data:`~striped_sp.plan.stripe_choice.MIN_STRIPE`)."""
         if not self.auto:
             return self.stripe_size
-        if self.window is None:
-            return 1
+        if self.window is None:  # stripes of 1 or zigzag's order ("doc"), whichever the cost model says
+            from .dense_choice import dense_choice
+
+            return dense_choice(int(seq_len), int(world_size))[0]
         from .stripe_choice import MIN_STRIPE, choose_stripe_size, window_layer_counts
 
         window_layers, global_layers = window_layer_counts(self.global_every)
@@ -137,22 +152,31 @@ class Striped(Layout):
         stripe = self.packed_stripe(seq_len, world_size)
         return (self.stripe_size, self.doc_placement) if stripe is None else (stripe, "split")
 
+    def zigzag_row(self, seq_len: int, world_size: int) -> bool:
+        """Whether a row of one document runs zigzag's placement (``2N`` stripes of ``S / 2N`` dealt
+        mirrored: per-document stripes on a row that splits evenly), and so zigzag's dense block plans."""
+        return (world_size > 1 and seq_len % (2 * world_size) == 0
+                and (self.per_document or (self.mirror and self.stripe_size * 2 * world_size == seq_len)
+                     or (self.auto and self.row_stripe(seq_len, world_size) == "doc")))
+
     def dense_row(self, seq_len, world_size):
+        if self.zigzag_row(seq_len, world_size):
+            return True
         return self.dense_plans or (self.window is not None and self.row_stripe(seq_len, world_size) == 1)
 
     def window_block(self, world_size, local_len, mask=None):
         if self.auto:  # the row's stripes (runs), or None under the search's plan
             stripe = self.row_plan(local_len * world_size, world_size, None if mask is None else mask.bounds)[0]
-            return None if stripe == "auto" else stripe
-        return None if self.placed or self.per_document else self.stripe_size
+            return None if isinstance(stripe, str) else stripe
+        return None if self.placed or self.per_document or self.mirror else self.stripe_size
 
     def runs(self, seq_len, world_size, rank, cu_seqlens=None):
         stripe, placement = self.row_plan(seq_len, world_size, cu_seqlens)
-        if stripe == 1 and (placement == "split" or cu_seqlens is None):
+        if stripe == 1 and (placement == "split" or cu_seqlens is None) and not self.mirror:
             return [(0, rank, seq_len // world_size)]
         from .search import placed_runs
 
-        return placed_runs(_bounds(seq_len, cu_seqlens), world_size, stripe, placement)[rank]
+        return placed_runs(_bounds(seq_len, cu_seqlens), world_size, stripe, placement, order=self.order)[rank]
 
     def stride(self, world_size):
         return world_size if self.stripe_size in (1, "auto") else 1
@@ -173,15 +197,19 @@ class Striped(Layout):
                            " (the window layers hold too few of the entries for larger stripes, or the row is too "
                            "short), the dense plans on layers without a window"))
             if self.auto:
-                return ("a row of one document: stripes of 1, the dense plans (stripe_size='auto' searches "
-                        "packed rows; on one document zigzag measured faster on the CPU kernel, docs/tuning.md)")
+                from .dense_choice import dense_decision
+
+                return dense_decision(int(seq_len), int(world_size))
             return None
         from .search import decision
 
-        return decision(_bounds(seq_len, cu_seqlens), world_size, self.stripe_size, self.doc_placement)
+        return decision(_bounds(seq_len, cu_seqlens), world_size, self.stripe_size, self.doc_placement,
+                        order=self.order)
 
     def causal_plan(self, rank, source, world_size, local_len):
-        if self.stripe_size not in (1, "auto") or not self.dense_row(local_len * world_size, world_size):
+        if self.zigzag_row(local_len * world_size, world_size):  # zigzag's placement: its block plans
+            return Zigzag.causal_plan(self, rank, source, world_size, local_len)
+        if self.stripe_size not in (1, "auto") or self.mirror or not self.dense_row(local_len * world_size, world_size):
             raise NotImplementedError("striped with stripe_size > 1 (or a window hint's stripes > 1 on this row) "
                                       "runs the engine's masked plans")
         # Key b of `source` sits at b*N + source, query a of `rank` at a*N + rank.
@@ -196,7 +224,7 @@ class Striped(Layout):
     def flattens_rows(self, local_len):
         # without document placement, and each row a whole number of stripes per rank: stripe g of
         # row i is stripe i * S / s + g of the flat row, on the same rank
-        return not self.places_documents and local_len % self.stripe_size == 0
+        return not self.places_documents and not self.mirror and local_len % self.stripe_size == 0
 
 
 def _bounds(seq_len: int, cu_seqlens) -> tuple:

@@ -17,6 +17,7 @@ from seeds import seed_for
 import striped_sp
 from striped_sp.engine import local
 from striped_sp.plan import search
+from striped_sp.plan.striped_layout import Striped
 from striped_sp.plan.layouts import LAYOUTS, get_layout
 
 pytestmark = pytest.mark.dist
@@ -33,8 +34,7 @@ SEQ, N = 1024, 2
 
 def _explicit(bounds) -> dict:
     """The searched configuration of ``bounds`` as explicit layout parameters."""
-    chosen = search.search(bounds, N, "cpu")[0]
-    return {"stripe_size": chosen.stripe_size, "doc_placement": chosen.whole_max or "split"}
+    return search.search(bounds, N, "cpu")[0].layout_params
 
 
 def test_the_default_is_the_search_and_parameters_pin_it():
@@ -57,7 +57,7 @@ def test_the_default_resolves_per_batch_to_the_searched_plan():
     for name, bounds in ROWS.items():
         for r in range(N):
             got = striped_sp.positions(SEQ, N, r, "striped", cu_seqlens=list(bounds))
-            want = striped_sp.positions(SEQ, N, r, "striped", cu_seqlens=list(bounds), **choices[name])
+            want = striped_sp.positions(SEQ, N, r, Striped(**choices[name]), cu_seqlens=list(bounds))
             assert torch.equal(got, want), (name, r, choices[name])
         # and not stripes of 1 over every document (what the default was)
         assert not torch.equal(striped_sp.positions(SEQ, N, 0, "striped", cu_seqlens=list(bounds)),
@@ -73,17 +73,29 @@ def test_a_stripe_size_pins_the_layout_on_packed_rows():
             assert torch.equal(got, (torch.arange(0, SEQ, 64)[r::N, None] + torch.arange(64)).flatten())
 
 
-def test_rows_without_documents_keep_stripes_of_one_and_the_dense_plans():
+def test_rows_without_documents_run_the_dense_plans_of_the_faster_order():
+    """On a row of one document the default runs, by the cost model, zigzag's order (2N stripes of S / 2N
+    mirrored) with zigzag's dense block plans, or the paper's stripes of 1 with theirs: the same tokens and
+    calls as the layout pinned to that order; ``striped:stripe=1`` stays pinned."""
+    from striped_sp.plan.dense_choice import dense_choice
+
     default, pinned = get_layout("striped"), get_layout("striped:stripe=1")
+    assert pinned.dense_plans and pinned.strict_block and pinned.stride(N) == N
     for r in range(N):
-        assert torch.equal(striped_sp.positions(SEQ, N, r, "striped"), torch.arange(r, SEQ, N))
-    for lay in (default, pinned):
-        assert lay.dense_plans and lay.strict_block and lay.stride(N) == N
+        assert torch.equal(striped_sp.positions(SEQ, N, r, "striped:stripe=1"), torch.arange(r, SEQ, N))
+    stripe, one, zig = dense_choice(SEQ, N, "cpu")
+    assert stripe == ("doc" if zig.ms <= one.ms else 1) and zig.ms < one.ms  # the CPU kernel: zigzag's order
+    same = "zigzag" if stripe == "doc" else "striped:stripe=1"
+    for r in range(N):
+        assert torch.equal(striped_sp.positions(SEQ, N, r, "striped"), striped_sp.positions(SEQ, N, r, same))
     plans = [striped_sp.prepare_plans(SEQ, world_size=N, rank=r, layout="striped") for r in range(N)]
-    old = [striped_sp.prepare_plans(SEQ, world_size=N, rank=r, layout="striped:stripe=1") for r in range(N)]
+    old = [striped_sp.prepare_plans(SEQ, world_size=N, rank=r, layout=same) for r in range(N)]
     for p, o in zip(plans, old):
         assert not p.masked and p.calls == o.calls and p.entries == o.entries
-        assert "stripes of 1" in p.decision
+        assert "zigzag's order" in p.decision and "stripes of 1" in p.decision
+    # a row that does not split into 2N equal stripes keeps stripes of 1
+    assert dense_choice(2 * N + N, N, "cpu")[0] == 1
+    assert torch.equal(striped_sp.positions(3 * N, N, 1, "striped"), torch.arange(1, 3 * N, N))
 
 
 @pytest.mark.parametrize("row", sorted(ROWS))
@@ -123,18 +135,18 @@ def test_the_plan_and_the_debug_log_say_what_was_chosen(caplog):
     assert striped_sp.prepare_plans(SEQ, world_size=N, rank=0, layout="zigzag").decision is None
 
 
-def test_zigzag_predicted_faster_is_said_and_the_layout_kept(monkeypatch):
-    """Where the model prices zigzag below every striped plan, the decision says so; the layout the
-    user named stays striped (zigzag priced here by a stand-in: per-document stripes already hold
-    zigzag's pairing without its padding, so the table's model rarely ranks it first)."""
+def test_the_decision_names_zigzag_beside_the_chosen_plan(monkeypatch):
+    """The decision line names zigzag's predicted time beside the plan chosen (the striped family holds
+    zigzag's order unpadded: per-document stripes, mirrored stripes); the plan records the line, and the
+    layout is the striped search's."""
     bounds = (0, 11, 500, 1024)
     line = search.decision(bounds, N, "auto", "auto", "cpu")
-    assert "zigzag" not in line
+    assert "searched" in line and "zigzag (its mirrored order on documents padded to 2N)" in line
     fast = search.Prediction("zigzag", 0, 1e-3, 2, (0.0, 0.0), (0, 0))
     monkeypatch.setattr(search, "predict_zigzag", lambda *a, **k: fast)
     line = search.decision(bounds, N, "auto", "auto", "cpu")
-    assert "zigzag predicted faster than every striped plan" in line and "layout named is kept" in line
+    assert "zigzag (its mirrored order on documents padded to 2N) 0.00 ms" in line
     plan = striped_sp.prepare_plans(SEQ, world_size=N, rank=0, layout="striped", cu_seqlens=list(bounds))
     assert plan.decision == line  # the plan records it; its layout is still the striped search's
     assert torch.equal(striped_sp.positions(SEQ, N, 0, "striped", cu_seqlens=list(bounds)),
-                       striped_sp.positions(SEQ, N, 0, "striped", cu_seqlens=list(bounds), **_explicit(bounds)))
+                       striped_sp.positions(SEQ, N, 0, Striped(**_explicit(bounds)), cu_seqlens=list(bounds)))

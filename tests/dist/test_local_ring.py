@@ -53,6 +53,18 @@ CASES = [  # (N, tokens per rank, request arguments; "docs" = random documents)
     (32, 4, dict(layout="contiguous", window_size=(9, 0))),
     (16, 6, dict(layout="zigzag", causal=False)),
     (16, 6, dict(layout="contiguous", causal=False)),
+    # mirrored stripes (zigzag's order at any stripe size) and zigzag's placement in the striped family
+    (2, 12, dict(layout="striped:stripe=3,order=mirror")),
+    (4, 8, dict(layout="striped:stripe=1,order=mirror")),
+    (4, 8, dict(layout="striped:stripe=2,order=mirror", docs=True)),
+    (4, 8, dict(layout="striped:stripe=1,order=mirror", docs=True)),
+    (2, 12, dict(layout="striped:stripe=2,order=mirror", window_size=(5, 0))),
+    (4, 8, dict(layout="striped:stripe=2,order=mirror,place=auto", docs=True, window_size=(6, 0))),
+    (4, 8, dict(layout="striped:stripe=2,order=mirror", docs=True, ulysses_size=2)),
+    (2, 12, dict(layout="striped:stripe=doc")),
+    (4, 6, dict(layout="striped")),
+    (4, 6, dict(layout="striped", ulysses_size=2)),
+    (2, 12, dict(layout="striped", window_size=(5, 0))),
 ]
 
 

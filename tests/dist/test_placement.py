@@ -307,7 +307,8 @@ def test_auto_keeps_short_documents_whole_and_the_model_counts_the_plans_balance
 
 @pytest.mark.parametrize("spec, n, local, left, steps", [
     ("contiguous", 8, 64, 64, 2), ("contiguous", 8, 64, 65, 3), ("contiguous", 8, 64, 0, 1),
-    ("striped:stripe=16", 8, 64, 40, 4), ("striped", 8, 64, 5, 6), ("striped", 4, 64, 5, 4),
+    ("striped:stripe=16", 8, 64, 40, 4), ("striped:stripe=1", 8, 64, 5, 6), ("striped:stripe=1", 4, 64, 5, 4),
+    ("striped", 8, 64, 5, 8), ("striped:stripe=16,order=mirror", 8, 64, 40, 8),
     ("zigzag", 8, 64, 3, 8), ("striped:place=auto", 8, 64, 3, 8), ("contiguous", 8, 64, -1, 8),
 ])
 def test_ring_steps_cover_every_visible_block(spec, n, local, left, steps):
@@ -423,7 +424,7 @@ def test_auto_takes_the_simplest_of_the_near_fastest_plans():
     assert not [p for p in tried if p.ms <= fastest / (1 - MIN_GAIN) and preference(p) < preference(chosen)]
     assert preference(Prediction("doc", 0, 1.0, 2, (), ())) < preference(Prediction(1, 0, 1.0, 2, (), ()))
     assert chosen.stripe_size == "doc"
-    assert len({(p.stripe_size, p.whole_max) for p in tried}) == len(tried) > 10
+    assert len({(p.stripe_size, p.whole_max, p.order) for p in tried}) == len(tried) > 10
 
 
 @pytest.mark.parametrize("spec", ["striped:stripe=doc,place=512", "striped:place=512", "striped", "zigzag",

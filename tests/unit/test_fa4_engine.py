@@ -145,8 +145,9 @@ def test_aligned_strict_block_and_mla(fa4, n, dims):
     """The striped strict block in its aligned form (all n queries x k[:-1], bottom-right causal, row
     0 empty: lse -inf) and MLA's (192, 128) on FA4 natively (no padding of v)."""
     double = fa4(fp32=True)
-    (q, k, v, do), args = _case_inputs(n, 4, dict(layout="striped"), torch.float32, seed=n, heads=(4, 1), dims=dims)
-    got = _ring(q, k, v, do, n, FA4Kernel(), strict_block="aligned", layout="striped")
+    (q, k, v, do), args = _case_inputs(n, 4, dict(layout="striped:stripe=1"), torch.float32, seed=n, heads=(4, 1),
+                                       dims=dims)
+    got = _ring(q, k, v, do, n, FA4Kernel(), strict_block="aligned", layout="striped:stripe=1")
     errs = _errors(got, _reference(q, k, v, do, args))
     assert max(errs.values()) < 2e-6, errs
     shapes = {(c[1]["q"].size(1), c[1]["k"].size(1), c[1]["causal"]) for c in double.calls if c[0] == "_flash_attn_fwd"}
@@ -168,9 +169,9 @@ class _NoWindow(FA4Kernel):
 
 
 @pytest.mark.parametrize("mutant, double_args, n, args, strict", [
-    (FA4Kernel, dict(alignment="top_left"), 4, dict(layout="striped"), "aligned"),
+    (FA4Kernel, dict(alignment="top_left"), 4, dict(layout="striped:stripe=1"), "aligned"),
     (_ShiftedLse, {}, 4, dict(layout="zigzag"), "sliced"),
-    (_NoWindow, {}, 4, dict(layout="striped", window_size=(5, 0)), None),
+    (_NoWindow, {}, 4, dict(layout="striped:stripe=1", window_size=(5, 0)), None),
 ], ids=["top-left-alignment", "shifted-lse", "ignored-window"])
 def test_the_double_catches(fa4, mutant, double_args, n, args, strict):
     fa4(fp32=True, **double_args)

@@ -84,7 +84,11 @@ def test_positions_shard_unshard(layout, world_size):
 
 
 def test_known_positions():
-    assert striped_sp.positions(8, 2, 1, "striped").tolist() == [1, 3, 5, 7]
+    assert striped_sp.positions(8, 2, 1, "striped:stripe=1").tolist() == [1, 3, 5, 7]
+    # the default on one document: zigzag's order where the cost model predicts it faster (the CPU's)
+    assert striped_sp.positions(8, 2, 1, "striped").tolist() == [2, 3, 4, 5]
+    assert striped_sp.positions(16, 2, 0, "striped:stripe=2,order=mirror").tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
+    assert striped_sp.positions(12, 2, 0, "striped:stripe=1,order=mirror").tolist() == [0, 4, 8, 3, 7, 11]
     assert striped_sp.positions(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
     assert striped_sp.positions(8, 2, 0, "zigzag").tolist() == [0, 1, 6, 7]
     assert striped_sp.positions(8, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]

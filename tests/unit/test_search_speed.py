@@ -128,8 +128,8 @@ def _full_search(bounds, n, model, stripe_size="auto"):
     s = search.MIN_STRIPE
     while s <= local // 2 and stripe_size == "auto":
         for w in maxes:
-            if not any(w < x < s * n for x in lengths) and (p := search._try(bounds, n, s, w, model, even_only=True)):
-                tried.append(p)
+            if not any(w < x < s * n for x in lengths):
+                tried += [p for o in ("round", "mirror") if (p := search._try(bounds, n, s, w, model, True, order=o))]
         s *= 2
     fastest = min(p.ms for p in tried)
     return min((p for p in tried if p.ms <= fastest / (1 - search.MIN_GAIN)), key=search.preference)
@@ -166,7 +166,7 @@ def test_the_search_keeps_the_full_searchs_choice_on_rows_of_short_documents():
             except ValueError:
                 continue
             full = _full_search(bounds, n, model, stripe)
-            assert (chosen.stripe_size, chosen.whole_max) == (full.stripe_size, full.whole_max), (n, model.name, stripe)
+            assert chosen.layout_params == full.layout_params, (n, model.name, stripe)
 
 
 @pytest.mark.parametrize("mix", ["lognormal:median=128,sigma=1.0", "lognormal:median=600,sigma=1.2",
@@ -181,7 +181,7 @@ def test_the_coarse_step_keeps_the_full_searchs_choice(mix):
             search._search.cache_clear()
             chosen, tried = search.search(bounds, n, model)
             full = _full_search(bounds, n, model)
-            assert (chosen.stripe_size, chosen.whole_max) == (full.stripe_size, full.whole_max), (n, model.name)
+            assert chosen.layout_params == full.layout_params, (n, model.name)
             assert chosen.ms == pytest.approx(full.ms, rel=1e-12) and not chosen.coarse
 
 
