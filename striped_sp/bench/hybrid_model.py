@@ -18,7 +18,7 @@ three ways on ``N`` spawned gloo ranks, one compute thread each:
   this rank's shard (:func:`striped_sp.deepspeed.shard_batch`): its mixers split over the group;
 * ``gathered``: the same with ``$STRIPED_SP_SPLIT_MIXERS=0`` (every mixer on the gathered row).
 
-Figures (:func:`~striped_sp.bench.hybrid_split.timed_steps`): the busiest rank's process CPU time
+Figures (:func:`~striped_sp.bench.split_runs.timed_steps`): the busiest rank's process CPU time
 (median over ``--reps`` after a warm-up), the slowest rank's wall time and the largest rank's peak
 of tensor memory above the step's start (one more step; parameter gradients are allocated inside
 it, as in the first step of training). Exactness: the loss summed over the group against SP=1's,
@@ -94,7 +94,7 @@ def _worker_body(rank, cfg, n: int, init_file) -> list[dict]:
 
     from ..deepspeed import enable_hf_attention, shard_batch
     from ..deepspeed.hybrid import SPLIT_ENV, mixer_summary
-    from .hybrid_split import timed_steps
+    from .split_runs import timed_steps
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -159,9 +159,9 @@ def _worker_body(rank, cfg, n: int, init_file) -> list[dict]:
 def measure_models(cfg) -> list[dict]:
     """One record per (kind, N, S) (module notes); ``cfg``: a
     :class:`~striped_sp.bench.hybrid_split.HybridSplitConfig`."""
-    from .hybrid_split import spawn_all
+    from .split_runs import spawn_all
 
-    return spawn_all(cfg, _worker, "bench hybrid-split --model")
+    return spawn_all(cfg, MODEL_KINDS, _worker, "bench hybrid-split --model")
 
 
 COLUMNS = [("kind", "model"), ("world_size", "N"), ("seq_len", "S"), ("sp1_cpu_ms", "SP=1 cpu ms"),

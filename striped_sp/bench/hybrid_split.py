@@ -24,12 +24,12 @@ all-reduce moves it, and the gather's (``bench hybrid``'s formula).
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
-from .common import init_rank, load_average, median, spawn_ranks
+from .common import init_rank, load_average
 from .hybrid_cost import gather_bytes
+from .split_runs import spawn_all, timed_steps
 
 __all__ = ["HybridSplitConfig", "KINDS", "mixer_of", "measure", "predict_gdn", "register"]
 
@@ -107,44 +107,6 @@ def _runner(mode: str, module, split, order, n: int):
     return module
 
 
-def timed_steps(step, reps: int, active: bool, memory: bool, prepare=None, count=None) -> tuple[dict, int]:
-    """``step(*prepare())`` ``reps + 1`` times (the first a warm-up) on the ranks where ``active``, each
-    between barriers of every rank, then once more under :class:`~striped_sp.bench.memory.MemoryPeak`
-    where ``memory``; ``prepare`` (untimed) makes its arguments.  Returns the figures of the busiest rank
-    (``cpu_ms``: the median of its process CPU time; ``ms``: of its wall time; ``peak_mib``: the largest
-    peak of tensor memory above the step's start; 0 where not measured) and what ``count()`` grew by in
-    this rank's last timed step (bytes sent)."""
-    import torch.distributed as dist
-
-    from .memory import MemoryPeak
-
-    prepare = prepare or tuple
-    count = count or (lambda: 0)
-    cpu, wall, sent = [], [], 0
-    for i in range(reps + 1):
-        dist.barrier()
-        if not active:
-            continue
-        args = prepare()
-        c0, t0, b0 = time.process_time(), time.perf_counter(), count()
-        step(*args)
-        if i:
-            cpu.append(time.process_time() - c0)
-            wall.append(time.perf_counter() - t0)
-            sent = count() - b0
-    peak = 0
-    dist.barrier()
-    if active and memory:
-        args = prepare()
-        with MemoryPeak("cpu") as mem:
-            step(*args)
-        peak = mem.peak
-    stats = torch.tensor([median(cpu) if cpu else 0.0, median(wall) if wall else 0.0, float(peak)],
-                         dtype=torch.float64)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return {"cpu_ms": stats[0].item() * 1e3, "ms": stats[1].item() * 1e3, "peak_mib": stats[2].item() / 2**20}, sent
-
-
 def _worker_body(rank, cfg: HybridSplitConfig, n: int, init_file) -> list[dict]:
     import torch.distributed as dist
 
@@ -192,24 +154,9 @@ def _worker_body(rank, cfg: HybridSplitConfig, n: int, init_file) -> list[dict]:
     return records
 
 
-def spawn_all(cfg: HybridSplitConfig, worker, what: str) -> list[dict]:
-    """``cfg``'s kinds and shapes checked, then ``worker``'s records on ``N`` spawned ranks for each N."""
-    for kind in cfg.kinds:
-        if kind not in KINDS:
-            raise ValueError(f"mixer kind {kind!r}: expected one of {', '.join(KINDS)}")
-    for n in cfg.world_sizes:
-        for s in cfg.seq_lens:
-            if s % n:
-                raise ValueError(f"seq_len {s} does not divide by N={n}")
-    records = []
-    for n in cfg.world_sizes:
-        records += spawn_ranks(worker, (cfg, n, "cpu"), n, cfg.timeout_s, f"{what} N={n}")[0]
-    return records
-
-
 def measure(cfg: HybridSplitConfig) -> list[dict]:
     """One record per (kind, N, S) (module docstring); ratios against ``sp1``."""
-    records = spawn_all(cfg, _worker, "bench hybrid-split")
+    records = spawn_all(cfg, KINDS, _worker, "bench hybrid-split")
     for r in records:
         n = r["world_size"]
         r["split_cpu_x_n_over_sp1"] = r["split_cpu_ms"] * n / r["sp1_cpu_ms"]
