@@ -64,7 +64,8 @@ def scalar_decay_pass(y: torch.Tensor, final: torch.Tensor, log_decay: torch.Ten
 
 
 def _wy(k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """``W = (I + diag(b) tril(K K^T, -1))^-1 diag(b) K`` per sub-chunk: ``k`` ``[..., L, dk]``, ``beta`` ``[..., L]``."""
+    """``W = (I + diag(b) tril(K K^T, -1))^-1 diag(b) K`` per sub-chunk: ``k`` ``[..., L, dk]``,
+    ``beta`` ``[..., L]``."""
     low = torch.tril(k @ k.transpose(-1, -2), diagonal=-1) * beta[..., :, None]
     eye = torch.eye(k.size(-2), dtype=k.dtype, device=k.device)
     return torch.linalg.solve_triangular(eye + low, k * beta[..., None], upper=False, unitriangular=True)
@@ -87,13 +88,14 @@ def delta_rule_transfer(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta:
     w = _wy(k, beta)
     local = gamma[..., None] * (q - torch.tril(q @ k.transpose(-1, -2)) @ w)          # [b, H, n, L, dk]
     step = gamma[..., -1, None, None]
+    steps = step * (torch.eye(dk, dtype=wide, device=q.device) - k.transpose(-1, -2) @ w)  # [b, H, n, dk, dk]
     P = torch.eye(dk, dtype=wide, device=q.device).expand(b, heads, dk, dk)
-    rows = []
-    for c in range(n):
-        rows.append(local[:, :, c] @ P)
-        P = step[:, :, c] * (P - k[:, :, c].transpose(-1, -2) @ (w[:, :, c] @ P))
-    R = torch.stack(rows, dim=2).reshape(b, heads, n * chunk, dk)[:, :, :t].transpose(1, 2)
-    return R, P
+    before = [P]
+    for c in range(n - 1):
+        before.append(steps[:, :, c] @ before[-1])
+    R = local @ torch.stack(before, dim=2)                                            # [b, H, n, L, dk]
+    R = R.reshape(b, heads, n * chunk, dk)[:, :, :t].transpose(1, 2)
+    return R, steps[:, :, n - 1] @ before[-1]
 
 
 def delta_rule_pass(o: torch.Tensor, final: torch.Tensor, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor,

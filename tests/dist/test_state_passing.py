@@ -1,8 +1,8 @@
-"""State passing (engine/state_passing.py, engine/state_fold.py) on 2 and 4 gloo ranks against the
-plain recurrences run in float64 on the whole row: Mamba2's scalar-decay scan, the gated delta rule
-and a short convolution's halo; forward and backward; dense and packed rows (a document starting
-inside a chunk, one starting exactly at a chunk's start, a chunk crossed whole); striped, zigzag and
-contiguous; more ranks than heads.
+"""State passing (engine/state_passing.py, engine/state_fold.py) on 2 and 4 gloo ranks (8 under ``-m
+release``) against the plain recurrences run in float64 on the whole row: Mamba2's scalar-decay scan,
+the gated delta rule and a short convolution's halo; forward and backward; dense and packed rows (a
+document starting inside a chunk, one starting exactly at a chunk's start, a chunk crossed whole);
+striped, zigzag and contiguous; more ranks than heads.
 
 The references below are the recurrences as the papers write them, one token at a time, on the full
 row (documents reset the state).  Each rank's chunk kernel is the same loop on its chunk from a zero
@@ -187,7 +187,7 @@ CASES += [(f"{kind}_{lay}_packed", fn, (lay, PACKED, 1) if kind != "halo" else (
 CASES += [("refusals", _case_refusals, ())]
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[2, 4, pytest.param(8, marks=pytest.mark.release)])
 def results(request):
     return request.param, run_cases(request.param, CASES, timeout_s=300)
 
