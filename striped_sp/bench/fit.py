@@ -15,6 +15,13 @@ of the slowest rank's forward compute``, :func:`~striped_sp.plan.search.predict_
 (``ns_per_entry`` and ``call_ns`` together), ``b`` is the fixed cost of a ring step in ms per head
 (the model's ``step_ns``).  The table's model is ``a = 1``, ``b = step_ns``; both are reported.
 Transfers are out of scope here (``bench sim`` runs none); windows too (the model knows none).
+
+The per-call efficiency of diagonal-masked calls (:attr:`~striped_sp.plan.cost.CostModel.causal_factor`,
+why zigzag's full half blocks beat the strided causal blocks of stripes of 1 on long documents) is a
+third term (:func:`fit_terms`): ``x_kernel`` split into the causal calls' part ``x_causal`` (the model's
+kernel time less that of the same model with causal entries free) and the rest, each with its own
+scale; the fitted factor is the causal scale over the full one, and its error on the test mixes is
+reported beside the two-scale fit's.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-__all__ = ["Sample", "fit_scales", "predict", "errors", "samples_from_records", "register"]
+__all__ = ["Sample", "fit_scales", "fit_terms", "predict", "predict_terms", "errors", "samples_from_records",
+           "register"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +46,8 @@ class Sample:
     x_kernel: float
     x_steps: float
     measured_ms: float
+    #: the part of ``x_kernel`` spent on the entries of causal (diagonal-masked) calls
+    x_causal: float = 0.0
 
 
 def fit_scales(samples) -> tuple[float, float]:
@@ -60,6 +70,32 @@ def fit_scales(samples) -> tuple[float, float]:
     return (sky * sss - ssy * sks) / det, (skk * ssy - sks * sky) / det
 
 
+def fit_terms(samples) -> tuple[float, float, float]:
+    """``(a_full, a_causal, b)`` minimising ``sum (a_full * (x_kernel - x_causal) + a_causal * x_causal
+    + b * x_steps - measured_ms)^2`` (least squares without intercept): the causal calls' entries priced
+    apart; ``a_causal / a_full`` is the fitted :attr:`~striped_sp.plan.cost.CostModel.causal_factor` of the
+    model the features were priced with.  ``ValueError`` with fewer than 3 samples or features that do
+    not separate."""
+    import torch
+
+    samples = list(samples)
+    if len(samples) < 3:
+        raise ValueError(f"fit_terms needs at least 3 samples to fit 3 scales, got {len(samples)}")
+    x = torch.tensor([[s.x_kernel - s.x_causal, s.x_causal, s.x_steps] for s in samples], dtype=torch.float64)
+    y = torch.tensor([[s.measured_ms] for s in samples], dtype=torch.float64)
+    if int(torch.linalg.matrix_rank(x)) < 3:
+        raise ValueError(f"fit_terms: the {len(samples)} samples' full, causal and step features are linearly "
+                         "dependent: add layouts (stripes of 1 against zigzag) or mixes")
+    a_full, a_causal, b = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    return a_full, a_causal, b
+
+
+def predict_terms(sample: Sample, terms) -> float:
+    """The predicted fwd+bwd ms of ``sample`` with :func:`fit_terms`'s scales."""
+    a_full, a_causal, b = terms
+    return a_full * (sample.x_kernel - sample.x_causal) + a_causal * sample.x_causal + b * sample.x_steps
+
+
 def predict(sample: Sample, a: float, b: float) -> float:
     """The predicted fwd+bwd ms of ``sample`` with scales ``(a, b)`` (:func:`fit_scales`)."""
     return a * sample.x_kernel + b * sample.x_steps
@@ -78,6 +114,9 @@ def samples_from_records(records, mix: str, heads: int, model) -> list[Sample]:
     from ..plan.search import predict_ring, predict_zigzag
     from .docs import workload
 
+    import dataclasses as dc
+
+    free = dc.replace(model, causal_factor=0.0)  # the same model with the causal calls' entries free
     out = []
     for r in records:
         if r["pass"] != "fwd+bwd":
@@ -85,13 +124,16 @@ def samples_from_records(records, mix: str, heads: int, model) -> list[Sample]:
         n, tpr, lay = r["world_size"], r["tokens_per_rank"], r["layout"]
         bounds = tuple(workload("striped", n, tpr, mix, None).mask.bounds)
         if lay == "zigzag":
-            pred = predict_zigzag(bounds, n, model)
+            pred, rest = predict_zigzag(bounds, n, model), predict_zigzag(bounds, n, free)
         elif "plan_stripe_size" in r:
-            pred = predict_ring(bounds, n, r["plan_stripe_size"], r["plan_whole_max"], model)
+            args = (bounds, n, r["plan_stripe_size"], r["plan_whole_max"])
+            order = r.get("plan_order", "round")
+            pred, rest = predict_ring(*args, model, order=order), predict_ring(*args, free, order=order)
         else:
             continue
         kernel = heads * (1 + model.backward_factor) * sum(pred.compute_ms)
-        out.append(Sample(mix, lay, n, tpr, kernel, float(heads * pred.steps), r["critical_path_ms"]))
+        causal = kernel - heads * (1 + model.backward_factor) * sum(rest.compute_ms)
+        out.append(Sample(mix, lay, n, tpr, kernel, float(heads * pred.steps), r["critical_path_ms"], causal))
     return out
 
 
@@ -128,28 +170,41 @@ def _main(args) -> int:
     fit = [s for s in measured if s.mix in args.fit_mixes]
     test = [s for s in measured if s.mix in args.test_mixes and s.mix not in args.fit_mixes]
     a, b = fit_scales(fit)
+    try:
+        terms, why = fit_terms(fit), ""
+    except ValueError as e:  # too few samples, or no causal part apart: the two scales only
+        terms, why = None, str(e)
     table_b = model.step_ns / 1e6
     rows = []
     for s in fit + test:
         pred, plain = predict(s, a, b), predict(s, 1.0, table_b)
+        three = None if terms is None else predict_terms(s, terms)
         rows.append({"set": "fit" if s in fit else "test", "mix": s.mix, "layout": s.layout, "N": s.world_size,
                      "tokens/rank": s.tokens_per_rank, "measured_ms": s.measured_ms, "predicted_ms": pred,
-                     "error": pred / s.measured_ms - 1, "table_model_ms": plain,
+                     "error": pred / s.measured_ms - 1, "causal_term_ms": three,
+                     "causal_term_error": None if three is None else three / s.measured_ms - 1, "table_model_ms": plain,
                      "table_model_error": plain / s.measured_ms - 1})
     print(f"fit: bench sim (CPU time of the compute thread, {args.heads} heads x {args.head_dim}, float32, median "
           f"of {args.rounds} interleaved rounds of --reps {args.reps}); cost model {model.label!r}")
     print(f"fitted on {len(fit)} samples: kernel scale a = {a:.4f}, step cost b = {b * 1e3:.1f} us per head "
-          f"(the table's model: a = 1, b = {table_b * 1e3:.1f} us)\n")
+          f"(the table's model: a = 1, b = {table_b * 1e3:.1f} us)")
+    print(f"the causal term not fitted: {why}\n" if terms is None else
+          f"with the causal term: full-call scale {terms[0]:.4f}, causal-call scale {terms[1]:.4f}, step cost "
+          f"{terms[2] * 1e3:.1f} us per head: causal_factor = {terms[1] / terms[0] * model.causal_factor:.3f} "
+          f"(the table's {model.causal_factor:.3f})\n")
     print(format_table(rows, [("set", "set"), ("mix", "mix"), ("layout", "layout"), ("N", "N"),
                               ("tokens/rank", "tokens/rank"), ("predicted_ms", "predicted ms"),
                               ("measured_ms", "measured ms"), ("error", "error"),
-                              ("table_model_error", "table model error")]))
+                              ("causal_term_error", "causal term error"), ("table_model_error", "table model error")]))
     for name, group in (("fit", fit), ("test", test)):
         if group:
             errs = [abs(e) for e in errors(group, a, b)]
             plain = [abs(e) for e in errors(group, 1.0, table_b)]
-            print(f"{name} mixes: |error| median {statistics.median(errs):.1%}, max {max(errs):.1%} "
-                  f"(the table's model: median {statistics.median(plain):.1%}, max {max(plain):.1%})")
+            three = [abs(predict_terms(s, terms) / s.measured_ms - 1) for s in group] if terms else []
+            causal = (f"; with the causal term median {statistics.median(three):.1%}, max {max(three):.1%}"
+                      if three else "")
+            print(f"{name} mixes: |error| median {statistics.median(errs):.1%}, max {max(errs):.1%}{causal} (the "
+                  f"table's model: median {statistics.median(plain):.1%}, max {max(plain):.1%})")
     if args.json:
         write_json(args.json, rows)
     return 0

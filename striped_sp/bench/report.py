@@ -37,7 +37,7 @@ def plan_report(layout: str, bounds, world_size: int, windowed: bool, heads: int
         chosen = (f"; {'one document' if len(bounds) <= 2 else 'packed'}: {words}"
                   + (" (the window hint)" if lay.window is not None else ""))
     return {"plan": f"whole documents <= {d['whole_max']} tokens: {d['whole_documents']} of {d['documents']}{chosen}",
-            "plan_stripe_size": d["stripe_size"], "plan_whole_max": d["whole_max"],
+            "plan_stripe_size": d["stripe_size"], "plan_whole_max": d["whole_max"], "plan_order": d["order"],
             "plan_whole_documents": d["whole_documents"], "plan_cost_model": d["cost_model"],
             "plan_balance": None if windowed else d["balance"],
             "predicted_forward_ms": None if windowed else d["predicted_forward_ms"] * heads,

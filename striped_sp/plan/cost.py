@@ -69,6 +69,10 @@ class CostModel:
     merge_ns_per_row: float = 0.0
     #: the GPU architecture of a GPU model (``"H100"``, ...; :data:`GPU_ARCHS`), ``""``: none
     arch: str = ""
+    #: per-call efficiency of a diagonal-masked call: the cost of one entry of a causal call (or of a
+    #: masked segment with a diagonal edge, the strided blocks of stripes of 1) over one of a full
+    #: call of the same rows (1.0: the same; ``bench fit`` fits it from measured CPU timings)
+    causal_factor: float = 1.0
 
     @property
     def label(self) -> str:
@@ -78,14 +82,14 @@ class CostModel:
     def call(self, rows: float, keys: float, causal: bool) -> float:
         if rows <= 0 or keys <= 0:
             return 0.0
-        entries = rows * min(keys, rows / 2 + self.causal_waste) if causal else rows * keys
+        entries = rows * min(keys, rows / 2 + self.causal_waste) * self.causal_factor if causal else rows * keys
         return self.ns_per_entry * entries * (1 + self.small_rows / rows) + self.call_ns
 
     def call_tensor(self, rows: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
         """:meth:`call` element by element (float tensors of rows and keys; 0 where either is below
         1), for the per-document predictions of :mod:`striped_sp.plan.doc_stripes`."""
         rows = torch.clamp(rows, min=1e-9)
-        area = rows * torch.minimum(keys, rows / 2 + self.causal_waste) if causal else rows * keys
+        area = rows * torch.minimum(keys, rows / 2 + self.causal_waste) * self.causal_factor if causal else rows * keys
         ns = self.ns_per_entry * area * (1 + self.small_rows / rows) + self.call_ns
         return torch.where((rows >= 1) & (keys >= 1), ns, torch.zeros_like(ns))
 
@@ -114,6 +118,7 @@ class CostModel:
         rows, keys = lq.double(), lk.double()
         edged = (lo > -lq) | (hi < lk - 1)
         area = torch.minimum(rows * keys, visible + torch.where(edged, self.causal_waste * rows, torch.zeros_like(rows)))
+        area = torch.where(edged, area * self.causal_factor, area)
         live = (lq > 0) & (lk > 0) & (visible > 0)
         safe = torch.clamp(rows, min=1.0)
         ns = self.ns_per_entry * area * (1 + self.small_rows / safe) + self.call_ns
@@ -138,7 +143,8 @@ class CostModel:
         rows, keys = rows.double(), keys.double()
         live = (rows > 0) & (keys > 0)
         safe = torch.clamp(rows, min=1.0)
-        entries = torch.where(causal, safe * torch.minimum(keys, safe / 2 + self.causal_waste), safe * keys)
+        entries = torch.where(causal, safe * torch.minimum(keys, safe / 2 + self.causal_waste) * self.causal_factor,
+                              safe * keys)
         ns = self.ns_per_entry * entries * (1 + self.small_rows / safe) + self.call_ns
         return float(torch.where(live, ns, torch.zeros_like(ns)).sum())
 

@@ -112,7 +112,8 @@ def _call_ns(model: CostModel, rows: torch.Tensor, keys: torch.Tensor) -> torch.
     Not :meth:`CostModel.call_tensor`, which prices calls of under one row (a short document's
     ``L / N`` on each rank) at 0 where ``call`` does not: the search's predictions stay what they were."""
     safe = torch.where(rows > 0, rows, torch.ones_like(rows))
-    ns = model.ns_per_entry * safe * torch.minimum(keys, safe / 2 + model.causal_waste) * (1 + model.small_rows / safe)
+    ns = (model.ns_per_entry * safe * torch.minimum(keys, safe / 2 + model.causal_waste) * model.causal_factor
+          * (1 + model.small_rows / safe))
     return torch.where((rows > 0) & (keys > 0), ns + model.call_ns, torch.zeros_like(ns))
 
 

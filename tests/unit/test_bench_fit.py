@@ -161,3 +161,28 @@ def test_fit_keeps_the_median_of_its_rounds(tmp_path, capsys, monkeypatch):
     for r in rows:
         xk, xs = _features(r["mix"], r["layout"])
         assert r["predicted_ms"] == pytest.approx(a * xk + b * xs, rel=1e-9), r
+
+
+def test_the_causal_term_is_recovered_and_refused_when_it_cannot_separate():
+    from striped_sp.bench.fit import fit_terms, predict_terms
+
+    rng = random.Random(SEED + 7)
+    terms = (0.9, 1.35, 0.25)
+    samples = []
+    for _ in range(9):
+        xk, xc, xs = rng.uniform(50, 900), rng.uniform(0, 40), rng.choice([4, 8, 16, 32])
+        samples.append(Sample("mix", "striped", 4, 2048, xk, xs, terms[0] * (xk - xc) + terms[1] * xc + terms[2] * xs,
+                              xc))
+    assert fit_terms(samples) == pytest.approx(terms, rel=1e-9), SEED
+    assert all(predict_terms(s, terms) == pytest.approx(s.measured_ms, rel=1e-12) for s in samples)
+    with pytest.raises(ValueError, match="fit_terms"):
+        fit_terms([_sample(10, 2, 5), _sample(20, 4, 9), _sample(30, 6, 14)])  # no causal part: rank 2
+
+
+def test_a_causal_factor_prices_only_the_diagonal_masked_calls():
+    import dataclasses
+
+    model = model_named("cpu")
+    slow = dataclasses.replace(model, causal_factor=1.5)
+    assert slow.call(512, 256, False) == model.call(512, 256, False)
+    assert slow.call(512, 512, True) - slow.call_ns == pytest.approx(1.5 * (model.call(512, 512, True) - model.call_ns))
