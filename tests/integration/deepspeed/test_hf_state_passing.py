@@ -112,6 +112,41 @@ def _run(model_type, layout, mode, overrides, expect):
     assert calls[0] == 4 * len(modes), (calls, len(modes))
 
 
+def _case_packed(model_type):
+    """A packed row (DataCollatorWithFlattening: position_ids restart per document, cu_seq_lens_q/k):
+    state passing sees the documents where the model's kernels do, and refuses what SP=1 refuses."""
+    import re
+
+    from striped_sp.deepspeed import enable_hf_attention, shard_batch
+    from striped_sp.deepspeed.hybrid import MODE_ENV
+    from support.token_mixing import tiny_causal_lm
+    from transformers import DataCollatorWithFlattening
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = tiny_causal_lm(model_type, **SHAPES[model_type])[0].to(torch.float64).train()
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    g = torch.Generator().manual_seed(8)
+    full = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": torch.randint(3, 100, (k,), generator=g).tolist()} for k in (5, 9, 3, 7, 8)])
+    os.environ[MODE_ENV] = "state"
+    try:
+        enable_hf_attention(model, None, "striped")
+        batch = shard_batch(full, n, rank, "striped")
+        try:
+            ref_out = ref(**full, use_cache=False)
+        except ValueError as err:  # refused at SP=1: so under SP
+            with pytest.raises(ValueError, match=re.escape(str(err))):
+                model(**batch, use_cache=False)
+            return
+        ref_out.loss.backward()
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+    finally:
+        os.environ.pop(MODE_ENV)
+    _compare(model, ref, out.loss, ref_out.loss)
+
+
 def _case_bad_mode():
     from striped_sp.deepspeed.hybrid import MODE_ENV, mixer_mode
 
@@ -128,6 +163,7 @@ CASES2 = [(f"{t}_striped", _case, (t,)) for t in FAMILIES]
 CASES2 += [(f"qwen3_next_{lay}", _case, ("qwen3_next", lay)) for lay in ("zigzag", "contiguous")]
 CASES2 += [(f"falcon_h1_{lay}", _case, ("falcon_h1", lay)) for lay in ("zigzag", "contiguous")]
 CASES2 += [("bad_mode", _case_bad_mode, ())]
+CASES2 += [(f"{t}_packed", _case_packed, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
 CASES4 = [(f"{t}_striped", _case, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
 CASES4 += [("qwen3_next_zigzag", _case, ("qwen3_next", "zigzag"))]
 # heads that do not divide by N: state passing by itself (auto), never the gather
