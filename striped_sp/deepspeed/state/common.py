@@ -32,6 +32,14 @@ class StateForm:
         """Why it cannot run over ``n`` ranks (never: the chunks need no head count)."""
         return None
 
+    def check(self, plan: ContiguousChunks, conv: torch.nn.Module | torch.Tensor) -> None:
+        """``ValueError`` before any message when a chunk is shorter than the convolution's halo."""
+        width = (conv.weight if isinstance(conv, torch.nn.Module) else conv).size(-1) - 1
+        if plan.length < width:
+            raise ValueError(f"{type(self.module).__name__}: state passing needs chunks of at least {width} tokens "
+                             f"(its convolution's window {width + 1} - 1); {plan.seq_len} tokens on "
+                             f"{plan.world_size} ranks give {plan.length}")
+
 
 def documents_of(plan: ContiguousChunks, kwargs: dict, key: str) -> tuple[ContiguousChunks, dict, bool]:
     """``(plan, kwargs, resets)``: where the model gives its kernels the documents (``key``: ``seq_idx``

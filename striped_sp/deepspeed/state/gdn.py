@@ -34,6 +34,7 @@ class GatedDeltaNetState(StateForm):
 
     def run(self, x: torch.Tensor, group, plan: ContiguousChunks, kwargs: dict) -> torch.Tensor:
         m, split = self.module, self.split
+        self.check(plan, m.conv1d)
         plan, kwargs, resets = documents_of(plan, kwargs, "cu_seq_lens_q")
         x = to_chunks(x, group, plan)
         b, t, _ = x.shape

@@ -29,6 +29,7 @@ class Mamba2State(StateForm):
 
     def run(self, x: torch.Tensor, group, plan: ContiguousChunks, kwargs: dict) -> torch.Tensor:
         m, split = self.module, self.split
+        self.check(plan, m.conv1d)
         plan, kwargs, resets = documents_of(plan, kwargs, "seq_idx")
         dtype = x.dtype
         x = to_chunks(x, group, plan)

@@ -20,6 +20,7 @@ class ShortConvState(StateForm):
 
     def run(self, x: torch.Tensor, group, plan: ContiguousChunks, kwargs: dict) -> torch.Tensor:
         m = self.module
+        self.check(plan, m.conv)
         plan, kwargs, resets = documents_of(plan, kwargs, "seq_idx")
         B, C, h = m.in_proj(to_chunks(x, group, plan)).chunk(3, dim=-1)
         conv = conv_with_halo(self.split.conv, B * h, m.conv.weight.squeeze(1), m.conv.bias, group, plan, resets,

@@ -147,6 +147,24 @@ def _case_packed(model_type):
     _compare(model, ref, out.loss, ref_out.loss)
 
 
+def _case_short_chunks():
+    """Chunks shorter than the convolution's halo (4 tokens on 4 ranks, window 3): refused on every rank
+    before the first message."""
+    from striped_sp.deepspeed import enable_hf_attention, shard_batch
+    from support.token_mixing import tiny_causal_lm
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = tiny_causal_lm("lfm2", **SHAPES["lfm2"])[0].to(torch.float64)
+    os.environ["STRIPED_SP_MIXER_MODE"] = "state"
+    try:
+        enable_hf_attention(model, None, "striped")
+        with pytest.raises(ValueError, match=r"state passing needs chunks of at least 2 tokens .* 4 tokens on 4 "
+                                             r"ranks give 1"):
+            model(**shard_batch(_batch(seq=4), n, rank, "striped"), use_cache=False)
+    finally:
+        os.environ.pop("STRIPED_SP_MIXER_MODE")
+
+
 def _case_bad_mode():
     from striped_sp.deepspeed.hybrid import MODE_ENV, mixer_mode
 
@@ -165,7 +183,7 @@ CASES2 += [(f"falcon_h1_{lay}", _case, ("falcon_h1", lay)) for lay in ("zigzag",
 CASES2 += [("bad_mode", _case_bad_mode, ())]
 CASES2 += [(f"{t}_packed", _case_packed, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
 CASES4 = [(f"{t}_striped", _case, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
-CASES4 += [("qwen3_next_zigzag", _case, ("qwen3_next", "zigzag"))]
+CASES4 += [("qwen3_next_zigzag", _case, ("qwen3_next", "zigzag")), ("short_chunks", _case_short_chunks, ())]
 # heads that do not divide by N: state passing by itself (auto), never the gather
 CASES4 += [("qwen3_next_6_heads_auto", _case, ("qwen3_next", "striped", None,
                                                 dict(linear_num_value_heads=6, linear_num_key_heads=2))),
