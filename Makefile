@@ -68,11 +68,16 @@ demo: venv
 
 # `make test`: every test but those marked `release` (setup.cfg: the planted-bug runs of Megatron-LM's
 # real loop and the long sweeps), which `make test-release` runs; CI (.ci/run) runs both.
+# TEST_JOBS pytest-xdist workers (one thread each: tests/conftest.py), a test file's tests on one
+# worker (--dist loadfile: a file's gloo cases run in one spawn, its cases_test / module state);
+# TEST_JOBS=0: one process.
+TEST_JOBS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 test: venv
-	$(PY) -m pytest -q -m "not release"
+	$(PY) -m pytest -q $(XDIST) -m "not release"
 
 test-release: venv
-	$(PY) -m pytest -q -m release
+	$(PY) -m pytest -q $(XDIST) -m release
 
 # `make results`: docs/results.md's tables and the plots in docs/ (python -m striped_sp.bench.results --help)
 results: venv
@@ -83,11 +88,11 @@ $(MVENV)/.installed: setup.cfg pyproject.toml
 	test -x $(MVENV)/bin/python || $(MPYTHON) -m venv $(MVENV)
 	$(MVENV)/bin/python -m pip install --quiet --upgrade pip
 	$(call install_torch,$(MVENV)/bin/python)
-	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" einops "$(TORCH)"
+	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" "pytest-xdist>=3.5" einops "$(TORCH)"
 	touch $@
 
 test-megatron: $(MVENV)/.installed
-	$(MVENV)/bin/python -m pytest -q tests/integration/megatron
+	$(MVENV)/bin/python -m pytest -q $(XDIST) tests/integration/megatron
 
 # `make test-torch TORCH_VERSION=2.11.0` (or TORCH=2.11.0): the core tests (CORE_TESTS: the engine,
 # the plans and the kernels on CPU, no Megatron / DeepSpeed / transformers; test_docs.py checks
@@ -96,7 +101,7 @@ test-megatron: $(MVENV)/.installed
 # install_torch does (PyTorch's CPU index, else the registry). CORE_DEPS: what those tests import
 # besides torch.
 CORE_TESTS ?= tests/unit tests/dist --ignore=tests/dist/test_docs.py -m "not integration and not gpu"
-CORE_DEPS ?= "pytest>=7" "setuptools>=70.1" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
+CORE_DEPS ?= "pytest>=7" "pytest-xdist>=3.5" "setuptools>=70.1" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
 TORCH_VERSION ?= $(patsubst torch==%,%,$(TORCH))
 TVENV := .venv-torch-$(TORCH_VERSION)
 
@@ -110,7 +115,7 @@ $(TVENV)/.installed: setup.cfg pyproject.toml
 
 test-torch: $(TVENV)/.installed
 	$(TVENV)/bin/python -c "import torch; print('torch', torch.__version__)"
-	$(TVENV)/bin/python -m pytest -q $(CORE_TESTS)
+	$(TVENV)/bin/python -m pytest -q $(XDIST) $(CORE_TESTS)
 
 # `make gpu-wheels PYVER=3.12 CUDA=13`: flash-attn-4 and its dependencies (torch aside) as wheel files
 # for a GPU machine without network (docs/gpu.md): downloaded for that Python and CUDA major (13

@@ -13,6 +13,7 @@ group of this process alone: CP=1 runs of the real code path); ``deterministic_f
 
 from __future__ import annotations
 
+import os
 import pathlib
 import random
 import sys
@@ -27,6 +28,14 @@ from seeds import how_to_reproduce, seed_for  # noqa: E402
 
 #: the marker of each folder of tests/
 _MARKERS = {"unit": "unit", "dist": "dist", "integration": "integration", "gpu": "gpu"}
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers) each worker computes on one thread: two
+    workers of the machine's default thread count each would oversubscribe its cores (the gloo
+    ranks already run on one thread each: dist_helper)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items):
