@@ -38,7 +38,7 @@ def fold(transitions: torch.Tensor, finals: torch.Tensor, plan: ContiguousChunks
     """This rank's entry state from every rank's ``(transition, final state)`` (``[N, ...]`` each):
     ``h = apply(M_j, h) + F_j`` over ``j < rank``.  Every rank runs all ``N`` steps, those at and past
     its own weighted by zero, so that every rank's graph (and its backward's collectives) is the same."""
-    through = plan.through_all.to(device=finals.device, dtype=finals.dtype)
+    through = plan.on(finals.device).through_all.to(finals.dtype)  # on the device once per plan
     h = torch.zeros_like(finals[0])
     for j in range(plan.world_size):
         w = 1.0 if j < plan.rank else 0.0
@@ -58,7 +58,7 @@ def scalar_decay_pass(y: torch.Tensor, final: torch.Tensor, log_decay: torch.Ten
     every = gather_summaries(summary, group, plan)                            # [N, b, H, 1 + P N]
     decays, finals = every[..., 0].exp(), every[..., 1:].reshape(plan.world_size, *final.shape)
     entry = fold(decays[..., None, None], finals, plan, lambda m, h: m * h)  # [b, H, P, N]
-    reach = cum.exp() * plan.cont.to(device=y.device, dtype=wide)[None, :, None]
+    reach = cum.exp() * plan.on(y.device).cont.to(wide)[None, :, None]
     fix = torch.einsum("bthn,bhpn->bthp", C.to(wide) * reach[..., None], entry)
     return (y.to(wide) + fix).to(y.dtype)
 
@@ -113,6 +113,6 @@ def delta_rule_pass(o: torch.Tensor, final: torch.Tensor, q: torch.Tensor, k: to
     Ms = every[..., :dk * dk].reshape(n, b, heads, dk, dk)
     Fs = every[..., dk * dk:].reshape(n, b, heads, dk, dv)
     entry = fold(Ms, Fs, plan, lambda m, s: m @ s)                            # [b, H, dk, dv]
-    reach = plan.cont.to(device=o.device, dtype=wide)[None, :, None, None]
+    reach = plan.on(o.device).cont.to(wide)[None, :, None, None]
     fix = torch.einsum("bthk,bhkv->bthv", R * reach, entry)
     return (o.to(wide) + fix).to(o.dtype)
