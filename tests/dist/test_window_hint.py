@@ -156,13 +156,17 @@ def test_exact_against_float64(n, layer):
                            heads=4, kv_heads=2)
 
 
-@pytest.mark.parametrize("hint", ["striped:window=512,global_every=2", "striped:window=2048"])
+# make test runs one hint of each of the two below (stripes of 512; of 128 under Ulysses), the
+# stripes-of-1 hint of each is marked release (make test-release: ~25 s each on 2 cores)
+@pytest.mark.parametrize("hint", [pytest.param("striped:window=512,global_every=2", marks=pytest.mark.release),
+                                  "striped:window=2048"])
 def test_exact_with_other_resolved_stripes(hint):
     for layer in ({"window_size": (300, 0)}, {}):
         check_simulation_exact(4, 1024, dict(layer, layout=hint), f"{hint}-{sorted(layer)}", heads=4, kv_heads=4)
 
 
-@pytest.mark.parametrize("hint", ["striped:window=512", "striped:window=512,global_every=2"])  # stripes of 128, of 1
+@pytest.mark.parametrize("hint", ["striped:window=512",  # stripes of 128, of 1
+                                  pytest.param("striped:window=512,global_every=2", marks=pytest.mark.release)])
 def test_exact_under_ulysses(hint):
     for layer in ({"window_size": (100, 0)}, {}):
         check_simulation_exact(4, 1024, dict(layer, layout=hint, ulysses_size=2), f"{hint}-ulysses-{sorted(layer)}",
