@@ -63,9 +63,9 @@ class ContiguousChunks:
         self.restore_index = torch.argsort(self.send_index)     # local order from by-position order
         starts = torch.zeros(seq_len, dtype=torch.bool)
         starts[0] = True
-        for b in (bounds or ()) if documents else ():
-            if 0 < b < seq_len:
-                starts[b] = True
+        if documents and bounds:  # every document's first token (one index, no loop per document)
+            at = torch.as_tensor(bounds, dtype=torch.long)
+            starts[at[(at > 0) & (at < seq_len)]] = True
         self._starts = starts
         per_chunk = starts.reshape(n, t)
         self.through_all = ~per_chunk.any(dim=1)
