@@ -35,13 +35,14 @@ class GatedDeltaNetState(StateForm):
     def run(self, x: torch.Tensor, group, plan: ContiguousChunks, kwargs: dict) -> torch.Tensor:
         m, split = self.module, self.split
         self.check(plan, m.conv1d)
+        conv_resets = kwargs.get("seq_idx") is not None  # its conv resets with seq_idx only, its scan with cu_seqlens
         plan, kwargs, resets = documents_of(plan, kwargs, "cu_seq_lens_q")
         x = to_chunks(x, group, plan)
         b, t, _ = x.shape
         q, k, v, z, beta_in, a = split._project(x)
         mixed = torch.cat((q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)), dim=-1)
-        mixed = conv_with_halo(split.conv, mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias, group, plan, False,
-                               activation=m.activation, **kwargs)
+        mixed = conv_with_halo(split.conv, mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias, group, plan,
+                               conv_resets and resets, activation=m.activation, **kwargs)
         q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         q, k = (u.reshape(b, t, m.num_k_heads, m.head_k_dim) for u in (q, k))
         v = v.reshape(b, t, m.num_v_heads, m.head_v_dim)
