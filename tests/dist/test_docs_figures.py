@@ -272,7 +272,8 @@ def test_figures_quoted_in_packed_and_tuning_are_the_tables():
     assert (f"{figures[both, 8, 'striped']:.2f}x / {figures[both, 32, 'striped']:.2f}x with a window of 4096 "
             "at N = 8 / 32") in packed
     assert f"({figures[window, 8, 'zigzag']:.2f}x ideal for one long document with a window of 4096 at N=8)" in packed
-    assert figures[window, 8, "striped"] == figures[window, 8, "striped:stripe=1"]
+    # the default on one document runs zigzag's order where the cost model says so (issue 57): zigzag's balance
+    assert figures[window, 8, "striped"] in (figures[window, 8, "striped:stripe=1"], figures[window, 8, "zigzag"])
     assert f"stay at {figures[window, 8, 'striped:stripe=1']:.4f}x" in packed
     assert (f"({figures[both, 8, 'striped']:.2f}x ideal on the web mix at N = 8, where `striped:stripe=1` gives "
             f"{figures[both, 8, 'striped:stripe=1']:.4f}x)") in packed
