@@ -139,7 +139,13 @@ def _cases(world):
     return cases
 
 
-CASES = CaseTable({world: _cases(world) for world in (4, 3)})
+def _release(world, name):
+    """The multi-tile rows (``long-*``, two thirds of the grid's time) of zigzag and contiguous run in
+    make test-release; striped's run in make test at every N."""
+    return "-long-" in name and "-striped-" not in name
+
+
+CASES = CaseTable({world: _cases(world) for world in (4, 3)}, release=_release)
 
 
 @pytest.mark.parametrize("world, name", CASES.params())

@@ -355,19 +355,32 @@ def cp_group(n):
 
 
 class CaseTable:
-    """Cases per world size, each world spawned once on first use; ``params()`` for pytest."""
+    """Cases per world size, each world spawned once on first use; ``params()`` for pytest.
 
-    def __init__(self, cases_by_world: dict):
+    ``release(world, name)``: whether a case is left to ``make test-release`` (marked ``release``);
+    those run in a spawn of their own, so that ``make test`` does not run them with its first case
+    (a case named ``setup`` runs in both spawns)."""
+
+    def __init__(self, cases_by_world: dict, release=None):
         self.cases = cases_by_world
+        self._release = release or (lambda world, name: False)
         self._results = {}
 
+    def _is_release(self, world: int, name: str) -> bool:
+        return name != "setup" and bool(self._release(world, name))
+
     def params(self) -> list:
-        return [(w, name) for w, cases in self.cases.items() for name, _, _ in cases]
+        import pytest
+
+        return [pytest.param(w, name, marks=pytest.mark.release) if self._is_release(w, name) else (w, name)
+                for w, cases in self.cases.items() for name, _, _ in cases]
 
     def result(self, world: int, name: str):
-        if world not in self._results:
-            self._results[world] = run_cases(world, self.cases[world])
-        return self._results[world][name]
+        key = (world, self._is_release(world, name))
+        if key not in self._results:
+            cases = [case for case in self.cases[world] if case[0] == "setup" or self._is_release(world, case[0]) == key[1]]
+            self._results[key] = run_cases(world, cases)
+        return self._results[key][name]
 
 
 def check_case(results: dict, name: str) -> None:
