@@ -113,7 +113,7 @@ def _worker_body(rank, cfg, n: int, init_file) -> list[dict]:
             rec = {"kind": kind, "world_size": n, "seq_len": seq, "hidden": cfg.hidden, "reps": cfg.reps,
                    "mixers": mixer_summary(model, n)}
             losses = {}
-            for mode in MODEL_MODES:
+            for mode in cfg.model_modes:
                 net, batch = (plain, full) if mode == "sp1" else (model, mine)
                 box = {}
 
@@ -136,15 +136,17 @@ def _worker_body(rank, cfg, n: int, init_file) -> list[dict]:
                     dist.all_reduce(loss)  # each rank's loss is its share of the row's mean
                 losses[mode] = loss.item()
                 if mode == "split":  # its gradients (the last step's) against SP=1's, summed as DeepSpeed does
-                    worst = 0.0
+                    worst, which = 0.0, None
                     ref = _grads(plain)
                     for name, g in _grads(model).items():
                         g = g.clone()
                         dist.all_reduce(g)
                         if rank == 0:
-                            worst = max(worst, ((g - ref[name]).norm() / ref[name].norm().clamp_min(1e-30)).item())
-                    rec["split_grad_rel_diff"] = worst
-            for mode in ("split", "gathered"):
+                            err = ((g - ref[name]).norm() / ref[name].norm().clamp_min(1e-30)).item()
+                            if which is None or err > worst:
+                                worst, which = err, name
+                    rec["split_grad_rel_diff"], rec["split_grad_worst"] = worst, which
+            for mode in [m for m in cfg.model_modes if m != "sp1"]:
                 rec[f"{mode}_loss_rel_diff"] = abs(losses[mode] - losses["sp1"]) / abs(losses["sp1"])
                 rec[f"{mode}_cpu_over_sp1"] = rec[f"{mode}_cpu_ms"] / rec["sp1_cpu_ms"]
                 rec[f"{mode}_peak_over_sp1"] = rec[f"{mode}_peak_mib"] / rec["sp1_peak_mib"]
@@ -161,6 +163,8 @@ def measure_models(cfg) -> list[dict]:
     :class:`~striped_sp.bench.hybrid_split.HybridSplitConfig`."""
     from .split_runs import spawn_all
 
+    if cfg.model_modes[0] != "sp1" or not set(cfg.model_modes) <= set(MODEL_MODES):
+        raise ValueError(f"--model-modes {','.join(cfg.model_modes)}: sp1 and any of split, gathered")
     return spawn_all(cfg, MODEL_KINDS, _worker, "bench hybrid-split --model")
 
 

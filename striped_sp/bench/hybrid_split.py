@@ -49,6 +49,8 @@ class HybridSplitConfig:
     #: peak memory only for rows up to this length (the CPU profiler's own memory grows with the
     #: events it records: some GB for a gated delta net at 16k); ``None``: every row
     memory_max_seq: int | None = None
+    #: ``--model``: the ways the tiny hybrid runs (:data:`striped_sp.bench.hybrid_model.MODEL_MODES`)
+    model_modes: tuple = ("sp1", "split", "gathered")
 
 
 def mixer_of(kind: str, hidden: int) -> torch.nn.Module:
@@ -218,6 +220,8 @@ def register(modes) -> None:
                    help="the whole tiny hybrid of each kind (3 mixer layers, then attention: Qwen3-Next, Bamba, "
                         "Jamba, LFM2), fwd+bwd of one row: the plain model at SP=1 in one process against the "
                         "enabled model at SP=N, split and gathered (striped_sp.bench.hybrid_model)")
+    p.add_argument("--model-modes", default="sp1,split,gathered",
+                   help="--model: the ways the model runs (sp1 always; split, gathered: at SP=N)")
     p.add_argument("--predict", action="store_true",
                    help="no measurement: a Qwen3-Next-80B-like gated delta net layer's bytes and activations per "
                         "rank, split vs gathered, at --seq-lens and --world-sizes, bf16 (predict_gdn)")
@@ -241,7 +245,8 @@ def _main(args) -> int:
         return 0
     cfg = HybridSplitConfig(kinds=tuple(k for k in args.kinds.split(",") if k), world_sizes=tuple(args.world_sizes),
                             seq_lens=tuple(args.seq_lens), hidden=args.hidden, reps=args.reps,
-                            memory_max_seq=args.memory_max_seq)
+                            memory_max_seq=args.memory_max_seq,
+                            model_modes=("sp1", *[m for m in args.model_modes.split(",") if m and m != "sp1"]))
     if args.model:
         return _main_model(cfg, args.json)
     load0 = load_average()
