@@ -19,7 +19,7 @@ SIM_KEYS = {"layout", "world_size", "seq_len", "pass", "critical_path_ms", "spee
 RUN_KEYS = {"impl", "world_size", "seq_len", "median_ms", "speedup_vs_contiguous", "docs", "window",
             "padding_tokens", "peak_mib", "samples_ms", "cpu_samples_ms"}
 #: a striped line's plan (bench/report.py plan_report: the default striped has one too)
-PLAN_KEYS = {"plan", "plan_balance", "plan_stripe_size", "plan_whole_max", "plan_whole_documents", "plan_cost_model",
+PLAN_KEYS = {"plan", "plan_balance", "plan_stripe_size", "plan_whole_max", "plan_order", "plan_whole_documents", "plan_cost_model",
              "predicted_ms", "predicted_forward_ms"}
 
 
