@@ -54,7 +54,7 @@ def test_the_strict_block_form_reaches_the_compiled_plan(form, monkeypatch):
     mode = strict_block_mode(kernel, torch.device("cpu"), q.dtype, dim)  # as RingRequest reads it
     assert mode == form
     PLANS.clear()
-    layout = get_layout("striped")
+    layout = get_layout("striped:stripe=1")  # the striped strict block: stripes of 1 pinned
     plans = [plan_for(layout, None, True, n, r, per_rank, kernel=kernel, scale=scale, comm_dtype=torch.float64,
                       strict_block=mode, dtype=q.dtype, head_dim=dim) for r in range(n)]
     assert [p.aligned for p in plans] == [form == "aligned"] * n
