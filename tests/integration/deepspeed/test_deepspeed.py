@@ -148,7 +148,7 @@ def test_shard_batch_keeps_given_positions_and_shift_labels():
     full = _full_batch(seq=16)
     full["position_ids"] = torch.arange(100, 116).expand(3, -1)
     full["shift_labels"] = full.pop("labels")  # already shifted: taken as they are
-    part = shard_batch(full, 2, 1, "striped")
+    part = shard_batch(full, 2, 1, "striped:stripe=1")  # the paper's layout, pinned (issue 57's default may mirror)
     assert torch.equal(part["position_ids"][0], torch.arange(101, 116, 2))
     assert torch.equal(part["shift_labels"], full["shift_labels"][:, 1::2])
 

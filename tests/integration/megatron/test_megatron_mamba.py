@@ -124,7 +124,8 @@ CASES = [
     ("zigzag-packed-padded-M*M*", check_mamba, ("zigzag", "M*M*", PADDED, SEED + 6)),
     ("striped-packed-padded-M*M*", check_mamba, ("striped", "M*M*", PADDED, SEED + 7)),
     ("ring-dense-M-*-", check_mamba, ("ring", "M-*-", None, SEED + 8)),
-    ("planted-zigzag-order-fails", check_wrong_permutation_fails, ("zigzag", "striped", None, SEED + 9)),
+    # stripes of 1 pinned: the bare default may run zigzag's order on a dense row (issue 57)
+    ("planted-zigzag-order-fails", check_wrong_permutation_fails, ("zigzag", "striped:stripe=1", None, SEED + 9)),
     ("planted-no-order-fails", check_wrong_permutation_fails, ("none", "striped", None, SEED + 10)),
     ("planted-packed-order-fails", check_wrong_permutation_fails, ("none", "striped", DOCS, SEED + 11)),
     ("planted-no-documents-fails", check_wrong_permutation_fails,
