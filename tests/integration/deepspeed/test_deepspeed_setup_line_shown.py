@@ -28,8 +28,9 @@ SCRIPT = textwrap.dedent("""
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 0}, "context_parallel": {"algo": "striped"}}
     ssd.initialize(model=model, model_parameters=model.parameters(), config=config)
-    print("rank", int(os.environ["RANK"]), "done", flush=True)
     import sys, torch.distributed as dist
+    sys.stdout.write(f"rank {int(os.environ['RANK'])} done\\n")  # one write: the two ranks' lines never interleave
+    sys.stdout.flush()
     dist.barrier()
     sys.stderr.flush()
     os._exit(0)  # what is under test is done; gloo's teardown at exit can abort a rank (SIGABRT)
