@@ -69,10 +69,12 @@ demo: venv
 # `make test`: every test but those marked `release` (setup.cfg: the planted-bug runs of Megatron-LM's
 # real loop and the long sweeps), which `make test-release` runs; CI (.ci/run) runs both.
 # TEST_JOBS pytest-xdist workers (one thread each: tests/conftest.py), a test file's tests on one
-# worker (--dist loadfile: a file's gloo cases run in one spawn, its cases_test / module state);
+# worker (--dist loadfile: a file's gloo cases run in one spawn, its cases_test / module state), the
+# files dealt in tests/conftest.py's order (--no-loadscope-reorder: xdist would deal the files with
+# the most tests first, leaving the long launches of few tests to the end);
 # TEST_JOBS=0: one process.
 TEST_JOBS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 test: venv
 	$(PY) -m pytest -q $(XDIST) -m "not release"
 
@@ -88,7 +90,7 @@ $(MVENV)/.installed: setup.cfg pyproject.toml
 	test -x $(MVENV)/bin/python || $(MPYTHON) -m venv $(MVENV)
 	$(MVENV)/bin/python -m pip install --quiet --upgrade pip
 	$(call install_torch,$(MVENV)/bin/python)
-	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" "pytest-xdist>=3.5" einops "$(TORCH)"
+	$(MVENV)/bin/python -m pip install --quiet -e . "megatron-core==$(MCORE)" "pytest>=7" "pytest-xdist>=3.8" einops "$(TORCH)"
 	touch $@
 
 test-megatron: $(MVENV)/.installed
@@ -101,7 +103,7 @@ test-megatron: $(MVENV)/.installed
 # install_torch does (PyTorch's CPU index, else the registry). CORE_DEPS: what those tests import
 # besides torch.
 CORE_TESTS ?= tests/unit tests/dist --ignore=tests/dist/test_docs.py -m "not integration and not gpu"
-CORE_DEPS ?= "pytest>=7" "pytest-xdist>=3.5" "setuptools>=70.1" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
+CORE_DEPS ?= "pytest>=7" "pytest-xdist>=3.8" "setuptools>=70.1" "matplotlib>=3.7" "tqdm>=4.60" "einops>=0.8"
 TORCH_VERSION ?= $(patsubst torch==%,%,$(TORCH))
 TVENV := .venv-torch-$(TORCH_VERSION)
 

@@ -38,12 +38,29 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+#: the folders in the order the tests run: the long multi-process launches first, so that under
+#: pytest-xdist (make test) the last files left to a worker are the short ones (a long file dealt last
+#: would leave the other worker idle until it ends)
+_FOLDER_ORDER = ["integration/megatron", "integration/deepspeed", "integration", "dist", "gpu", "unit"]
+
+
+def _folder_rank(parts: tuple) -> int:
+    folder = "/".join(parts[:-1])
+    for rank, prefix in enumerate(_FOLDER_ORDER):
+        if folder == prefix or folder.startswith(prefix + "/"):
+            return rank
+    return len(_FOLDER_ORDER)
+
+
 def pytest_collection_modifyitems(items):
     tests = pathlib.Path(__file__).resolve().parent
+    ranks = {}
     for item in items:
         parts = pathlib.Path(str(item.fspath)).resolve().relative_to(tests).parts
         if parts and parts[0] in _MARKERS:
             item.add_marker(getattr(pytest.mark, _MARKERS[parts[0]]))
+        ranks[item.nodeid] = _folder_rank(parts)
+    items.sort(key=lambda item: ranks[item.nodeid])  # stable: a file's tests keep their order
 
 
 #: what the gloo ranks of each folder import anyway, for their fork server to import once
