@@ -70,7 +70,7 @@ def _logs(cp, megatron_lm, plant=None):
     return rows
 
 
-@pytest.mark.release  # run by make test-release and make test-megatron (CI); sinks exactness stays in test_megatron.py
+@pytest.mark.release  # run by make test-release and make test-megatron (CI); sinks stay exact-checked in test_megatron_sinks*.py
 def test_pretrain_gpt_learnable_sinks_striped_cp2_logs_the_cp1_losses(megatron_lm):  # noqa: F811
     ref = _logs(1, megatron_lm)
     rows = _logs(2, megatron_lm)
