@@ -45,6 +45,38 @@ def _loss(model, b, mtp=None):
     return (out * b["loss_mask"]).sum()
 
 
+def _mtp_even_mask(cp, layout, seq=SEQ):
+    """A ``[seq]`` loss mask of ones but for a few zeros, placed so that on every rank of ``layout``
+    the counted tokens before MTP's roll by -1 equal those after it.  Zeroing position ``q`` moves one
+    counted token from the rank holding ``q - 1`` to the rank holding ``q``; the roll itself takes one
+    from the rank holding the last position.  So: zero position 0, then the ``q`` along a shortest
+    chain of ranks from the holder of position 0 to the holder of the last one (one zero per rank
+    under stripes of 1 or contiguous chunks, position 0 alone where one rank holds both ends, as in
+    zigzag's order)."""
+    owner = torch.empty(seq, dtype=torch.int64)
+    for r in range(cp):
+        owner[striped_sp.positions(seq, cp, r, layout)] = r
+    steps = {}  # (from rank, to rank) -> the first position q with owner[q - 1], owner[q] that pair
+    for q in range(1, seq):
+        steps.setdefault((int(owner[q - 1]), int(owner[q])), q)
+    start, goal = int(owner[0]), int(owner[-1])
+    came, frontier = {start: None}, [start]
+    while goal not in came:  # breadth first over the ranks
+        nxt = [b for a in frontier for (x, b) in steps if x == a and b not in came]
+        assert nxt, f"no chain of ranks from {start} to {goal} in {layout}"
+        for (x, b) in steps:
+            if x in frontier and b not in came:
+                came[b] = x
+        frontier = nxt
+    mask = torch.ones(seq)
+    mask[0] = 0
+    rank = goal
+    while came[rank] is not None:
+        mask[steps[(came[rank], rank)]] = 0
+        rank = came[rank]
+    return mask
+
+
 def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None, cp_comm_type=None):
     env = _setup()
     import striped_sp.megatron as sm
@@ -81,9 +113,7 @@ def check_gpt(cp, algo, pos, heads, seed, mtp=None, scale_error=None, cp_comm_ty
         # left after the roll), with native CP as well; a loss mask of ones but for every rank's
         # first position makes that ratio 1 on every rank and at CP=1, so the comparison stays
         # exact on every release.
-        b["loss_mask"].fill_(1)
-        for r in range(cp):
-            b["loss_mask"][:, striped_sp.positions(SEQ, cp, r, ALGOS[algo])[0]] = 0
+        b["loss_mask"].copy_(_mtp_even_mask(cp, ALGOS[algo]).expand_as(b["loss_mask"]))
 
     ref_loss = _loss(ref, b, mtp)
     ref_loss.backward()

@@ -162,7 +162,7 @@ CASES = [
     ("zigzag-packed-padded-G*G-", check_gdn, ("zigzag", "G*G-", PADDED, SEED + 7)),
     ("ring-dense-G*G-", check_gdn, ("ring", "G*G-", None, SEED + 8)),
     ("mamba-and-gdn-striped-packed-MG*-", check_gdn, ("striped", "MG*-", DOCS, SEED + 9)),
-    ("planted-zigzag-order-fails", check_wrong_permutation_fails, ("zigzag", "striped", None, SEED + 10)),
+    ("planted-zigzag-order-fails", check_wrong_permutation_fails, ("zigzag", "striped:stripe=1", None, SEED + 10)),
     ("planted-no-order-fails", check_wrong_permutation_fails, ("none", "striped", None, SEED + 11)),
     ("planted-packed-order-fails", check_wrong_permutation_fails, ("none", "striped", DOCS, SEED + 12)),
     ("planted-no-documents-fails", check_wrong_permutation_fails,
