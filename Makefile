@@ -74,7 +74,7 @@ demo: venv
 # the most tests first, leaving the long launches of few tests to the end);
 # TEST_JOBS=0: one process.
 TEST_JOBS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 test: venv
 	$(PY) -m pytest -q $(XDIST) -m "not release"
 

@@ -41,8 +41,6 @@ def pytest_configure(config):
 #: the folders in the order the tests run: the long multi-process launches first, so that under
 #: pytest-xdist (make test) the last files left to a worker are the short ones (a long file dealt last
 #: would leave the other worker idle until it ends)
-#: (DeepSpeed's before Megatron's, as in the folders' own order: after a Megatron test in the same
-#: worker transformers' Mamba classes no longer build, for want of mpi4py)
 _FOLDER_ORDER = ["integration/deepspeed", "integration/megatron", "integration", "dist", "gpu", "unit"]
 
 
@@ -124,6 +122,19 @@ def seed(request) -> int:
     request.node.stash[_SEED] = value
     _seed_everything(value)
     return value
+
+
+@pytest.fixture(autouse=True)
+def _no_deepspeed_config_left():
+    """After each test, forget transformers' process-wide DeepSpeed config: a test that built
+    ``TrainingArguments(deepspeed=<ZeRO-3 JSON>)`` leaves it alive as long as anything holds those
+    arguments (a kept traceback will), and every later ``from_config`` in the same xdist worker then
+    runs under ``deepspeed.zero.Init``, whose ``init_distributed`` looks for MPI (mpi4py) outside a
+    launcher."""
+    yield
+    ds = sys.modules.get("transformers.integrations.deepspeed")
+    if ds is not None:
+        ds.unset_hf_deepspeed_config()
 
 
 @pytest.hookimpl(hookwrapper=True)
