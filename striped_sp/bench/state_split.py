@@ -1,6 +1,8 @@
 """One hybrid mixer layer under state passing, beside the head all-to-all, the gather and SP=1.
 
 ``python -m striped_sp.bench.state_split --kinds gated_delta,mamba2 --world-sizes 2,4 --seq-lens 4096,16384``
+(``--json FILE``: the records too; ``--fit FILE ...``: refit :mod:`striped_sp.plan.mixer_cost` from them,
+:mod:`.mixer_fit`)
 
 Per mixer kind (transformers' own modules, :func:`striped_sp.bench.hybrid_split.mixer_of`), ring size ``N``
 and sequence length ``S``, on ``N`` spawned gloo ranks (one compute thread each), forward + backward of
@@ -22,6 +24,7 @@ against the model's kernel on the chunk, and against a second pass of the kernel
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -92,7 +95,7 @@ def _worker(rank, args, n, device_type, init_file, results):
         for seq in args.seq_lens:
             rec = {"kind": kind, "N": n, "S": seq}
             gen = torch.Generator().manual_seed(rank)
-            for mode in MODES:
+            for mode in args.modes:
                 runs = (mode != "split" or split is not None) and (mode != "sp1" or rank == 0)
                 tokens = seq if mode == "sp1" else seq // n
                 x, g = (torch.randn(1, tokens, args.hidden, generator=gen) for _ in range(2))
@@ -113,7 +116,8 @@ def _worker(rank, args, n, device_type, init_file, results):
                 rec[f"{mode}_cpu_ms"] = stat.item() * 1e3 if runs or mode == "sp1" else None
                 if mode in ("state", "split"):
                     rec[f"{mode}_MiB_sent"] = (sent[mode] - before[mode]) / 2**20 if runs else None
-            rec["state_x_N_over_sp1"] = rec["state_cpu_ms"] * n / rec["sp1_cpu_ms"]
+            if "state" in args.modes and "sp1" in args.modes:
+                rec["state_x_N_over_sp1"] = rec["state_cpu_ms"] * n / rec["sp1_cpu_ms"]
             records.append(rec)
     dist.barrier()
     dist.destroy_process_group()
@@ -163,9 +167,20 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lens", default="4096,16384")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--modes", default=",".join(MODES), help="the forms to time (default: all)")
+    p.add_argument("--json", default=None, help="also write the records to this file")
     p.add_argument("--transfer", action="store_true")
+    p.add_argument("--fit", nargs="+", metavar="JSON", help="refit the forms' cost model from --json files")
+    p.add_argument("--fit-lens", default="4096,16384", help="with --fit: the row lengths fitted on (others: tested)")
     args = p.parse_args(argv)
-    args.kinds = tuple(args.kinds.split(","))
+    if args.fit:
+        from .mixer_fit import main as refit
+
+        return refit(args.fit, {int(s) for s in args.fit_lens.split(",")})
+    args.kinds, args.modes = tuple(args.kinds.split(",")), tuple(args.modes.split(","))
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"--modes: {', '.join(sorted(unknown))} not among {', '.join(MODES)}")
     args.seq_lens = tuple(int(s) for s in args.seq_lens.split(","))
     if args.transfer:
         rows = [transfer(s) for s in args.seq_lens]
@@ -177,6 +192,9 @@ def main(argv=None) -> int:
     print(f"one mixer layer, fwd+bwd, hidden {args.hidden}, float32, gloo, one thread per rank, striped; "
           f"medians of {args.reps}; cpu ms: the busiest rank's\n")
     print(format_table(records, [(k, k) for k in records[0]]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
     return 0
 
 

@@ -31,6 +31,7 @@ import torch
 
 from ..engine.natural_order import gather_natural, natural_order, take_local
 from ..engine.state_passing import contiguous_chunks, to_chunks
+from ..plan import mixer_cost
 from ..plan.layouts import get_layout
 from .mixers import UnhandledMixer, unhandled_mixers
 from .split import find_split, split_or_reason
@@ -76,10 +77,13 @@ def split_mixers_enabled() -> bool:
     return os.environ.get(SPLIT_ENV, "1").strip() != "0"
 
 
-#: how a mixer that can split runs: ``auto`` (the head all-to-all where its heads divide by N, else state
-#: passing), ``state`` (state passing wherever the form is known), ``split`` (never state passing)
+#: how a mixer that can split runs: ``auto`` (by the forms' cost model, :mod:`striped_sp.plan.mixer_cost`: the
+#: head all-to-all, state passing or the gather, per kind, N and row length; state passing where the heads do
+#: not divide), ``state`` (state passing wherever the form is known), ``split`` (never state passing)
 MODE_ENV = "STRIPED_SP_MIXER_MODE"
 _MODES = ("auto", "state", "split")
+#: the cost model's forms -> the modes the setup line names
+_NAMES = {"split": "split", "state": "state passing", "gathered": "gathered"}
 
 
 def mixer_mode() -> str:
@@ -90,32 +94,61 @@ def mixer_mode() -> str:
     return mode
 
 
-def choose_form(module, n: int):
-    """``(form, mode, why)`` for ``module`` over ``n`` ranks: ``mode`` ``"split"`` (the head all-to-all),
-    ``"state passing"`` (contiguous chunks joined by their states: any N, heads or not) or
-    ``"gathered"`` (``form`` ``None``, ``why`` the reason); ``why`` is the kind where it runs."""
+def _predicted(predicted: dict) -> str:
+    """``"state passing 1817 ms, split 1954 ms, gathered 4053 ms"``, cheapest first."""
+    return ", ".join(f"{_NAMES[f]} {ms:.0f} ms" for f, ms in sorted(predicted.items(), key=lambda kv: kv[1]))
+
+
+def _by_length(kind: str, n: int, can_split: bool, can_pass: bool) -> str:
+    """The cost model's choice along row lengths, where it changes, and its predictions on both sides."""
+    runs = mixer_cost.switches(kind, n, can_split, can_pass)
+    said = [f"{_NAMES[runs[0][1]]} below {runs[1][0]} tokens per row"]
+    said += [f"{_NAMES[form]} from {length}" for length, form, _ in runs[1:]]
+    at = [f"at {length // 2}: {_predicted(mixer_cost.choose(kind, n, length // 2, can_split, can_pass)[1])}; "
+          f"at {length}: {_predicted(predicted)}" for length, _, predicted in runs[1:]]
+    return f"{kind}: {', '.join(said)} (predicted fwd+bwd per layer {'; '.join(at)})"
+
+
+def choose_form(module, n: int, seq_len: int | None = None):
+    """``(form, mode, why)`` for ``module`` over ``n`` ranks on rows of ``seq_len`` tokens: ``mode``
+    ``"split"`` (the head all-to-all), ``"state passing"`` (contiguous chunks joined by their states: any
+    N, heads or not) or ``"gathered"`` (``form`` ``None``); ``why``: the kind and, where the cost model
+    chose, its predictions, or the reason it cannot split.  ``seq_len`` ``None`` (the setup line, before
+    any batch): where the choice depends on the row's length, ``mode`` ``"by row length"`` and ``why``
+    the lengths where it changes (``form`` ``None``).  A pure function of shapes: every rank chooses alike."""
     split, reason = split_or_reason(module, n)
     if not split_mixers_enabled():
         return None, "gathered", f"${SPLIT_ENV}=0"
     mode = mixer_mode()
     state = find_state(module) if mode != "split" else None
-    if state is not None and (split is None or mode == "state"):
-        return state, "state passing", state.kind
-    if split is not None:
-        return split, "split", split.kind
-    return None, "gathered", reason
+    if mode != "auto" or state is None or split is None:  # one form can run, or the user named it
+        if state is not None and (split is None or mode == "state"):
+            return state, "state passing", state.kind
+        if split is not None:
+            return split, "split", split.kind
+        return None, "gathered", reason
+    kind = state.kind
+    if seq_len is None:
+        runs = mixer_cost.switches(kind, n, True, True)
+        if len(runs) > 1:
+            return None, "by row length", _by_length(kind, n, True, True)
+        seq_len = runs[0][0]
+    can_pass = seq_len // n >= state.min_chunk()
+    form, predicted = mixer_cost.choose(kind, n, seq_len, True, can_pass)
+    why = f"{kind}: {_predicted(predicted)} at {seq_len} tokens" if predicted else kind
+    return {"split": split, "state": state, "gathered": None}[form], _NAMES[form], why
 
 
-def _split_for(module, n: int, rest: tuple, kwargs: dict):
-    """The split form of ``module`` for ``n`` ranks, or ``None`` (the gather runs): no split form, the
-    heads / channels do not divide, a cache (generation), or positional arguments past the hidden
-    states it cannot name.  (A padding mask needs no look: padding is refused at the model's input.)"""
+def _split_for(module, n: int, seq_len: int, rest: tuple, kwargs: dict):
+    """The form of ``module`` for ``n`` ranks and rows of ``seq_len`` tokens (:func:`choose_form`), or
+    ``None`` (the gather runs): no form, the cost model's choice, a cache (generation), or positional
+    arguments past the hidden states it cannot name.  (A padding mask needs no look: padding is refused at the model's input.)"""
     if module is None or not split_mixers_enabled():
         return None
     known = module.__dict__.setdefault("_striped_sp_splits", {})  # a copy of the module copies its forms
-    key = (n, mixer_mode())
-    if key not in known:  # once per module, group size and mode: a layer's later calls look it up
-        known[key] = choose_form(module, n)[0]
+    key = (n, mixer_mode(), seq_len)
+    if key not in known:  # once per module, group size, mode and row length: later calls look it up
+        known[key] = choose_form(module, n, seq_len)[0]
     split = known[key]
     if split is None or any(a is not None for a in rest):
         return None
@@ -149,7 +182,7 @@ def _wrapped_forward(forward, path: str, hidden: int, settings_of, module=None):
                 f"{get_layout(settings.layout).document_multiple(n)} tokens, and a token mixer would scan the padding "
                 "as tokens: use the 'striped' layout (no padding) with this hybrid model")
         order = natural_order(x.size(1) * n, n, rank, settings.layout, settings.cu_seqlens)
-        split = _split_for(module, n, rest, kwargs)
+        split = _split_for(module, n, x.size(1) * n, rest, kwargs)
         # per-token arguments (position_ids, seq_idx) follow the tokens; the rest (the packed row's
         # global cu_seq_lens, as at SP=1) pass as they are
         if split is not None:
@@ -229,28 +262,33 @@ def mixer_module(modules: dict, path: str) -> tuple[str, torch.nn.Module]:
     return path, module
 
 
-def mixer_modes(model: torch.nn.Module, n: int) -> list[tuple[str, str, str]]:
-    """How each non-attention mixer of ``model`` runs over ``n`` ranks: ``(path, mode, why)`` with
-    ``mode`` ``"split"`` (the head all-to-all) or ``"state passing"`` (``why``: its kind, e.g. ``"gated
-    delta net"``), or ``"gathered"`` (``why``: the reason it cannot split).  Reads module types only: no forward, no collective."""
+def mixer_modes(model: torch.nn.Module, n: int, seq_len: int | None = None) -> list[tuple[str, str, str]]:
+    """How each non-attention mixer of ``model`` runs over ``n`` ranks on rows of ``seq_len`` tokens:
+    ``(path, mode, why)`` with ``mode`` ``"split"`` (the head all-to-all) or ``"state passing"`` (``why``: its
+    kind, e.g. ``"gated delta net"``, and where the cost model chose, its predicted ms of each form),
+    ``"gathered"`` (``why``: the reason it cannot split, or the predictions), or without ``seq_len``
+    ``"by row length"`` (``why``: the lengths where the choice changes, :func:`choose_form`).  Reads
+    module types only: no forward, no collective."""
     modules = dict(model.named_modules())
     modes = []
     for mixer in unhandled_mixers(model):
         if mixer.path not in modules:
             continue
         path, module = mixer_module(modules, mixer.path)
-        modes.append((path, *choose_form(module, n)[1:]))
+        modes.append((path, *choose_form(module, n, seq_len)[1:]))
     return modes
 
 
-def mixer_summary(model: torch.nn.Module, n: int) -> str:
+def mixer_summary(model: torch.nn.Module, n: int, seq_len: int | None = None) -> str:
     """For the setup line: ``"mixers: 6 split (gated delta net), 1 gathered: model.layers.3.mamba
-    (3 heads are not divisible by 2 ranks)"``; ``""`` for a model without such mixers."""
-    modes = mixer_modes(model, n)
+    (3 heads are not divisible by 2 ranks)"``, or where the cost model's choice depends on the row
+    length, ``"6 by row length (gated delta net: split below 8192 tokens per row, state passing from
+    8192 (predicted ...))"``; ``""`` for a model without such mixers."""
+    modes = mixer_modes(model, n, seq_len)
     if not modes:
         return ""
     parts = []
-    for run in ("split", "state passing"):
+    for run in ("by row length", "split", "state passing"):
         kinds = sorted({why for _, mode, why in modes if mode == run})
         count = sum(mode == run for _, mode, _ in modes)
         if count:

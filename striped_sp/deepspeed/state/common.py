@@ -22,6 +22,7 @@ class StateForm:
 
     def __init__(self, split):
         self.split, self.module = split, split.module
+        self._refusals: dict = {}  # (kernel, argument) -> the kernel's refusal of packed rows, or None
 
     @classmethod
     def recognise(cls, module: torch.nn.Module):
@@ -31,6 +32,31 @@ class StateForm:
     def cannot_pass(self, n: int) -> str | None:
         """Why it cannot run over ``n`` ranks (never: the chunks need no head count)."""
         return None
+
+    def min_chunk(self) -> int:
+        """The fewest tokens a chunk may have: its convolution's halo (window - 1)."""
+        conv = getattr(self.module, "conv1d", None)
+        return (conv if conv is not None else self.module.conv).weight.size(-1) - 1
+
+    def check_packed(self, plan: ContiguousChunks, **kernels) -> None:
+        """``ValueError`` before any message where the row's documents would reach a kernel that cannot keep
+        them apart (``kernels``: argument -> kernel, e.g. ``cu_seqlens=scan``): transformers' PyTorch fallbacks
+        refuse ``cu_seqlens`` / ``seq_idx`` (and so the row at SP=1); in the kernel's own words.  Asked once
+        per kernel and argument, with no inputs: a kernel that takes the argument fails on the missing ones
+        before it computes anything."""
+        for name, kernel in kernels.items():
+            key = (kernel, name)
+            if key not in self._refusals:
+                try:
+                    kernel(**{name: torch.zeros(1, dtype=torch.int32)})
+                    self._refusals[key] = None
+                except ValueError as err:
+                    self._refusals[key] = str(err)
+                except Exception:  # noqa: BLE001 - it took the argument and then missed its inputs
+                    self._refusals[key] = None
+            if self._refusals[key]:
+                raise ValueError(f"{type(self.module).__name__}: a packed row ({plan.seq_len} tokens, {name} given "
+                                 f"to its kernel) under state passing: {self._refusals[key]}")
 
     def check(self, plan: ContiguousChunks, conv: torch.nn.Module | torch.Tensor) -> None:
         """``ValueError`` before any message when a chunk is shorter than the convolution's halo."""

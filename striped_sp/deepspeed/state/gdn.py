@@ -37,6 +37,8 @@ class GatedDeltaNetState(StateForm):
         self.check(plan, m.conv1d)
         conv_resets = kwargs.get("seq_idx") is not None  # its conv resets with seq_idx only, its scan with cu_seqlens
         plan, kwargs, resets = documents_of(plan, kwargs, "cu_seq_lens_q")
+        if resets:  # before the re-layout: a kernel that cannot keep documents apart refuses on every rank
+            self.check_packed(plan, cu_seqlens=split.scan, **({"seq_idx": split.conv} if conv_resets else {}))
         x = to_chunks(x, group, plan)
         b, t, _ = x.shape
         q, k, v, z, beta_in, a = split._project(x)

@@ -31,6 +31,9 @@ class Mamba2State(StateForm):
         m, split = self.module, self.split
         self.check(plan, m.conv1d)
         plan, kwargs, resets = documents_of(plan, kwargs, "seq_idx")
+        if resets:  # before the re-layout
+            self.check_packed(plan, seq_idx=split.conv)
+            self.check_packed(plan, seq_idx=split.scan)
         dtype = x.dtype
         x = to_chunks(x, group, plan)
         b, t, _ = x.shape

@@ -22,6 +22,8 @@ class ShortConvState(StateForm):
         m = self.module
         self.check(plan, m.conv)
         plan, kwargs, resets = documents_of(plan, kwargs, "seq_idx")
+        if resets:  # before the re-layout
+            self.check_packed(plan, seq_idx=self.split.conv)
         B, C, h = m.in_proj(to_chunks(x, group, plan)).chunk(3, dim=-1)
         conv = conv_with_halo(self.split.conv, B * h, m.conv.weight.squeeze(1), m.conv.bias, group, plan, resets,
                               **kwargs)

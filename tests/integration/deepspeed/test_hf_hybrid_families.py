@@ -61,7 +61,8 @@ def _case_family(model_type):
     ref_out = ref(**full, use_cache=False)
     ref_out.loss.backward()
     enable_hf_attention(model, None, "striped")
-    assert mixer_summary(model, n) == f"mixers: {mixer_count(model)} split ({kind})", mixer_summary(model, n)
+    summary = mixer_summary(model, n, full["input_ids"].size(1))  # the cost model's choice on so short a row
+    assert summary.startswith(f"mixers: {mixer_count(model)} split ({kind}"), summary
     with exchanges() as calls:
         out = model(**shard_batch(full, n, rank, "striped"), use_cache=False)
         out.loss.backward()

@@ -19,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 
 pytest.importorskip("transformers")
 
-from dist_helper import check_case, run_cases  # noqa: E402
+from case_tests import cases_test  # noqa: E402
 from hybrid_cases import batch as _batch, compare as _compare, exchanges as _exchanges  # noqa: E402
 from support.token_mixing import HYBRID_SHAPES as SHAPES  # noqa: E402
 
@@ -98,9 +98,10 @@ def _run(model_type, layout, mode, overrides, expect):
     state_passing._exchange = counted
     try:
         enable_hf_attention(model, None, layout)
-        modes = mixer_modes(model, n)
+        seq = full["input_ids"].size(1)
+        modes = mixer_modes(model, n, seq)
         assert modes and all(m == expect for _, m, _ in modes), modes
-        assert f"state passing (" in mixer_summary(model, n), mixer_summary(model, n)
+        assert f"state passing (" in mixer_summary(model, n, seq), mixer_summary(model, n, seq)
         with _exchanges() as head_calls:
             out = model(**shard_batch(full, n, rank, layout), use_cache=False)
             out.loss.backward()
@@ -119,6 +120,7 @@ def _case_packed(model_type):
 
     from striped_sp.deepspeed import enable_hf_attention, shard_batch
     from striped_sp.deepspeed.hybrid import MODE_ENV
+    from striped_sp.engine import state_passing
     from support.token_mixing import tiny_causal_lm
     from transformers import DataCollatorWithFlattening
 
@@ -130,21 +132,43 @@ def _case_packed(model_type):
     full = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
         [{"input_ids": torch.randint(3, 100, (k,), generator=g).tolist()} for k in (5, 9, 3, 7, 8)])
     os.environ[MODE_ENV] = "state"
+    calls = [0]
+    real, counted = _summed(calls)
     try:
         enable_hf_attention(model, None, "striped")
         batch = shard_batch(full, n, rank, "striped")
         try:
             ref_out = ref(**full, use_cache=False)
-        except ValueError as err:  # refused at SP=1: so under SP
+        except ValueError as err:  # refused at SP=1: so under SP, before the mixer's first message
+            state_passing._exchange = counted
             with pytest.raises(ValueError, match=re.escape(str(err))):
                 model(**batch, use_cache=False)
+            assert calls == [0], calls
             return
         ref_out.loss.backward()
         out = model(**batch, use_cache=False)
         out.loss.backward()
     finally:
+        state_passing._exchange = real
         os.environ.pop(MODE_ENV)
     _compare(model, ref, out.loss, ref_out.loss)
+
+
+def _case_by_cost(model_type):
+    """``auto`` runs the cost model's choice: figures under which state passing is the cheaper form at
+    this row's length put every mixer on it (exact as above); the shipped ones keep the split on so
+    short a row (test_hf_hybrid_families)."""
+    from striped_sp.plan import mixer_cost
+
+    kind = {"qwen3_next": "gated delta net", "falcon_h1": "Mamba2"}[model_type]
+    shipped = mixer_cost.FITTED.get(kind)
+    mixer_cost.FITTED[kind] = {"split": (1.0, 0.0), "state": (0.5, 0.0), "gathered": (9.0, 0.0)}
+    try:
+        _run(model_type, "striped", None, None, "state passing")
+    finally:
+        mixer_cost.FITTED.pop(kind)
+        if shipped is not None:
+            mixer_cost.FITTED[kind] = shipped
 
 
 def _case_short_chunks():
@@ -182,6 +206,7 @@ CASES2 += [(f"qwen3_next_{lay}", _case, ("qwen3_next", lay)) for lay in ("zigzag
 CASES2 += [(f"falcon_h1_{lay}", _case, ("falcon_h1", lay)) for lay in ("zigzag", "contiguous")]
 CASES2 += [("bad_mode", _case_bad_mode, ())]
 CASES2 += [(f"{t}_packed", _case_packed, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
+CASES2 += [(f"{t}_auto_by_cost", _case_by_cost, (t,)) for t in ("qwen3_next", "falcon_h1")]
 CASES4 = [(f"{t}_striped", _case, (t,)) for t in ("qwen3_next", "falcon_h1", "lfm2")]
 CASES4 += [("qwen3_next_zigzag", _case, ("qwen3_next", "zigzag")), ("short_chunks", _case_short_chunks, ())]
 # heads that do not divide by N: state passing by itself (auto), never the gather
@@ -194,21 +219,5 @@ CASES4 += [("qwen3_next_6_heads_auto", _case, ("qwen3_next", "striped", None,
                                               dict(mamba_n_heads=2, mamba_d_head=32)))]
 
 
-@pytest.fixture(scope="module")
-def results2():
-    return run_cases(2, CASES2, timeout_s=600)
-
-
-@pytest.fixture(scope="module")
-def results4():
-    return run_cases(4, CASES4, timeout_s=600)
-
-
-@pytest.mark.parametrize("name", [c[0] for c in CASES2])
-def test_state_passing_on_2_ranks(results2, name):
-    check_case(results2, name)
-
-
-@pytest.mark.parametrize("name", [c[0] for c in CASES4])
-def test_state_passing_on_4_ranks(results4, name):
-    check_case(results4, name)
+test_state_passing_on_2_ranks = cases_test(2, CASES2, timeout_s=600)
+test_state_passing_on_4_ranks = cases_test(4, CASES4, timeout_s=600)
