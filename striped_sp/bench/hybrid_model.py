@@ -111,7 +111,7 @@ def _worker_body(rank, cfg, n: int, init_file) -> list[dict]:
             full = {"input_ids": ids, "labels": ids.clone()}
             mine = shard_batch(full, n, rank, "striped")
             rec = {"kind": kind, "world_size": n, "seq_len": seq, "hidden": cfg.hidden, "reps": cfg.reps,
-                   "mixers": mixer_summary(model, n)}
+                   "mixers": mixer_summary(model, n, seq)}
             losses = {}
             for mode in cfg.model_modes:
                 net, batch = (plain, full) if mode == "sp1" else (model, mine)

@@ -101,7 +101,7 @@ def _run(model_type, layout, mode, overrides, expect):
         seq = full["input_ids"].size(1)
         modes = mixer_modes(model, n, seq)
         assert modes and all(m == expect for _, m, _ in modes), modes
-        assert f"state passing (" in mixer_summary(model, n, seq), mixer_summary(model, n, seq)
+        assert f"{expect} (" in mixer_summary(model, n, seq), mixer_summary(model, n, seq)
         with _exchanges() as head_calls:
             out = model(**shard_batch(full, n, rank, layout), use_cache=False)
             out.loss.backward()
@@ -109,6 +109,9 @@ def _run(model_type, layout, mode, overrides, expect):
         state_passing._exchange = real
         os.environ.pop(MODE_ENV, None) if old is None else os.environ.__setitem__(MODE_ENV, old)
     _compare(model, ref, out.loss, ref_out.loss)
+    if expect == "split":  # the head all-to-all each way, forward and backward; no re-layout
+        assert head_calls == [4 * len(modes)] and calls == [0], (head_calls, calls, len(modes))
+        return
     assert head_calls == [0], head_calls  # no head all-to-all: one re-layout each way, forward and backward
     assert calls[0] == 4 * len(modes), (calls, len(modes))
 
@@ -218,6 +221,12 @@ CASES4 += [("qwen3_next_6_heads_auto", _case, ("qwen3_next", "striped", None,
            ("falcon_h1_2_heads_auto", _case, ("falcon_h1", "striped", None,
                                               dict(mamba_n_heads=2, mamba_d_head=32)))]
 
+# N = 8 with 4 key heads (8 value heads): both forms, exact
+EIGHT = dict(linear_num_value_heads=8, linear_num_key_heads=4)
+CASES8 = [("qwen3_next_4_key_heads_state", _case, ("qwen3_next", "striped", "state", EIGHT)),
+          ("qwen3_next_4_key_heads_split", _case, ("qwen3_next", "striped", "split", EIGHT, "split"))]
+
 
 test_state_passing_on_2_ranks = cases_test(2, CASES2, timeout_s=600)
 test_state_passing_on_4_ranks = cases_test(4, CASES4, timeout_s=600)
+test_state_passing_on_8_ranks = pytest.mark.release(cases_test(8, CASES8, timeout_s=900))
