@@ -5,7 +5,7 @@ was not fitted on.
 Per kind and form, ``ms = a * h T + b * h T**2`` (:func:`~striped_sp.plan.mixer_cost.features`) by
 least squares on the relative error (each row divided by its measured ms), both coefficients >= 0 (a
 negative one drops its feature).  ``--fit-lens`` picks the fitted rows by tokens per row; every other
-row is a test row: its measured and predicted ms, the error, and whether the model's choice is the
+row (and with ``--fit-world-sizes``, every row of another N) is a test row: its measured and predicted ms, the error, and whether the model's choice is the
 measured fastest form's (or within 5 % of it)."""
 
 from __future__ import annotations
@@ -55,25 +55,29 @@ def _solve(rows) -> tuple[float, float]:
     return (a, 0.0) if ea <= eb else (0.0, b)
 
 
-def fit(records, lengths) -> dict:
-    """``{kind: {form: (a, b)}}`` from the records whose ``S`` is in ``lengths``."""
+def _fitted_on(rec: dict, lengths, sizes) -> bool:
+    return rec["S"] in lengths and (not sizes or rec["N"] in sizes)
+
+
+def fit(records, lengths, sizes=None) -> dict:
+    """``{kind: {form: (a, b)}}`` from the records whose ``S`` is in ``lengths`` (and ``N`` in ``sizes``)."""
     fitted: dict = {}
     for bench_kind, kind in KIND_NAMES.items():
         for form in FORMS:
             rows = [(*features(form, r["N"], r["S"]), _measured(r, form)) for r in records
-                    if r["kind"] == bench_kind and r["S"] in lengths and _measured(r, form)]
+                    if r["kind"] == bench_kind and _fitted_on(r, lengths, sizes) and _measured(r, form)]
             if rows:
                 fitted.setdefault(kind, {})[form] = _solve(rows)
     return fitted
 
 
-def test_rows(records, lengths, fitted: dict) -> list[dict]:
+def test_rows(records, lengths, fitted: dict, sizes=None) -> list[dict]:
     """One row per record and form not fitted on: measured and predicted ms, the relative error, and the
     choice: the model's, the measured fastest, and the measured cost of the model's over the fastest."""
     out = []
     for r in records:
         kind = KIND_NAMES[r["kind"]]
-        if r["S"] in lengths or kind not in fitted:
+        if _fitted_on(r, lengths, sizes) or kind not in fitted:
             continue
         measured = {f: _measured(r, f) for f in FORMS if _measured(r, f)}
         form, _ = choose(kind, r["N"], r["S"], "split" in measured, "state" in measured, fitted)
@@ -95,15 +99,15 @@ def fitted_source(fitted: dict) -> str:
     return "\n".join(lines + ["}"])
 
 
-def main(paths, lengths) -> int:
+def main(paths, lengths, sizes=None) -> int:
     from .report import format_table
 
     records = load(paths)
-    fitted = fit(records, lengths)
+    fitted = fit(records, lengths, sizes)
     print(fitted_source(fitted))
-    rows = test_rows(records, lengths, fitted)
+    rows = test_rows(records, lengths, fitted, sizes)
     if rows:
-        print(f"\nrows not fitted on (tokens per row not in {sorted(lengths)}):\n")
+        print(f"\nrows not fitted on (fitted: S in {sorted(lengths)}, N in {sorted(sizes) if sizes else 'any'}):\n")
         print(format_table(rows, [(k, k) for k in rows[0]]))
         errs = [abs(r["error"]) for r in rows]
         print(f"\n|error|: median {sorted(errs)[len(errs) // 2]:.2f}, max {max(errs):.2f}; the model's choice "

@@ -172,11 +172,13 @@ def main(argv=None) -> int:
     p.add_argument("--transfer", action="store_true")
     p.add_argument("--fit", nargs="+", metavar="JSON", help="refit the forms' cost model from --json files")
     p.add_argument("--fit-lens", default="4096,16384", help="with --fit: the row lengths fitted on (others: tested)")
+    p.add_argument("--fit-world-sizes", default="", help="with --fit: the N fitted on (default: all; others: tested)")
     args = p.parse_args(argv)
     if args.fit:
         from .mixer_fit import main as refit
 
-        return refit(args.fit, {int(s) for s in args.fit_lens.split(",")})
+        sizes = {int(s) for s in args.fit_world_sizes.split(",") if s}
+        return refit(args.fit, {int(s) for s in args.fit_lens.split(",")}, sizes)
     args.kinds, args.modes = tuple(args.kinds.split(",")), tuple(args.modes.split(","))
     unknown = set(args.modes) - set(MODES)
     if unknown:

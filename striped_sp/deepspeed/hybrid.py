@@ -127,22 +127,24 @@ def choose_form(module, n: int, seq_len: int | None = None):
         if split is not None:
             return split, "split", split.kind
         return None, "gathered", reason
-    kind = state.kind
+    kind, forms = state.kind, {"split": split, "state": state, "gathered": None}
     if seq_len is None:
         runs = mixer_cost.switches(kind, n, True, True)
         if len(runs) > 1:
             return None, "by row length", _by_length(kind, n, True, True)
-        seq_len = runs[0][0]
+        form = runs[0][1]
+        return forms[form], _NAMES[form], kind
     can_pass = seq_len // n >= state.min_chunk()
     form, predicted = mixer_cost.choose(kind, n, seq_len, True, can_pass)
     why = f"{kind}: {_predicted(predicted)} at {seq_len} tokens" if predicted else kind
-    return {"split": split, "state": state, "gathered": None}[form], _NAMES[form], why
+    return forms[form], _NAMES[form], why
 
 
 def _split_for(module, n: int, seq_len: int, rest: tuple, kwargs: dict):
     """The form of ``module`` for ``n`` ranks and rows of ``seq_len`` tokens (:func:`choose_form`), or
     ``None`` (the gather runs): no form, the cost model's choice, a cache (generation), or positional
-    arguments past the hidden states it cannot name.  (A padding mask needs no look: padding is refused at the model's input.)"""
+    arguments past the hidden states it cannot name.  (A padding mask needs no look: padding is refused
+    at the model's input.)"""
     if module is None or not split_mixers_enabled():
         return None
     known = module.__dict__.setdefault("_striped_sp_splits", {})  # a copy of the module copies its forms
