@@ -10,7 +10,7 @@ import argparse
 from typing import Callable, Optional
 
 from ..plan.layouts import ALGOS as LAYOUT_ALGOS, get_layout
-from .layout_flags import doc_placement_of, stripe_arg, stripe_size_of
+from .layout_flags import doc_placement_of, order_of, stripe_arg, stripe_size_of
 from ..engine.transport import set_ring_timeout
 from ..engine.ulysses import check_ulysses
 from ..plan.masks import check_window
@@ -81,14 +81,21 @@ def rows_layout(layout: str, seq_len: int | None = None, size: int | None = None
 
 
 def algo_of(args) -> str:
-    """The one algo string of ``--context-parallel-algo``, ``--striped-stripe-size`` and
-    ``--striped-doc-placement``: the algo name, or for striped with parameters its layout key
-    (``"striped:stripe=4,place=auto"``).  Pass it wherever an ``algo`` goes (:func:`install`, the
-    batch slicing, the spec).  ``ValueError`` names the flag: the two striped flags with another
-    algo, a stripe size below 1, a placement other than split / auto / a positive integer."""
+    """The one algo string of ``--context-parallel-algo``, ``--striped-stripe-size``,
+    ``--striped-doc-placement`` and ``--striped-order``: the algo name, or for striped with parameters
+    its layout key (``"striped:stripe=4,place=auto"``, ``"striped:stripe=2048,order=mirror"``).  Pass it
+    wherever an ``algo`` goes (:func:`install`, the batch slicing, the spec).  ``ValueError`` names the
+    flag: the striped flags with another algo, a stripe size below 1, a placement other than split /
+    auto / a positive integer, an order other than round / mirror, mirror without an integer stripe
+    size.  Under a window (``--window-size``) the default's stripes come from the cost model
+    (:func:`~striped_sp.megatron.layout_flags.order_of`, zigzag's order included), pinned."""
     algo = check_algo(getattr(args, "context_parallel_algo", DEFAULT_ALGO))
-    stripe, place = stripe_size_of(args), doc_placement_of(args)
     layout = ALGOS[algo_name(algo)]
+    given_order = getattr(args, "striped_order", None)
+    if given_order is not None and layout != "striped":
+        raise ValueError(f"--striped-order {given_order} applies to --context-parallel-algo striped only, not "
+                         f"{algo}: drop it or use --context-parallel-algo striped")
+    stripe, place, order = stripe_size_of(args), doc_placement_of(args), order_of(args)
     for flag, value, default, param in (("--striped-stripe-size", stripe, 1, "stripe_size"),
                                         ("--striped-doc-placement", place, "split", "doc_placement")):
         if value == default:
@@ -100,17 +107,27 @@ def algo_of(args) -> str:
         except ValueError as err:
             raise ValueError(f"{flag} {value} applies to --context-parallel-algo striped only, not {algo} "
                              f"({err}): drop it or use --context-parallel-algo striped") from None
+    if order == "mirror":  # an int stripe size (order_of); the layout's own rule for the rest
+        from ..plan.striped_layout import Striped
+
+        try:
+            return Striped(stripe, None if place == "split" else place, order="mirror").key
+        except ValueError as err:
+            raise ValueError(f"--striped-order mirror with --striped-stripe-size {stripe}: {err}") from None
     documents = bool(getattr(args, "sft", False) or getattr(args, "reset_attention_mask", False))
-    if ":" not in algo and stripe == 1 and place == "split" and not (layout == "striped" and documents):
+    if (":" not in algo and stripe == 1 and place == "split" and order is None
+            and not (layout == "striped" and documents)):
         return algo  # "striped" without documents: the core default, stripes of 1 on such rows
     if layout == "striped" and stripe == 1 and place == "split":
-        return get_layout(layout, 1).key  # pinned: "striped" alone would search packed rows (issue 36)
+        # pinned: "striped" alone would search packed rows (issue 36), or take zigzag's order where the
+        # window's cost model chose stripes of 1 (order "round")
+        return get_layout(layout, 1).key
     return get_layout(algo, stripe if stripe != 1 else None, place if place != "split" else None).key
 
 
 #: the flags :func:`add_arguments` adds (each one the parser lacks)
-_FLAGS = ("--context-parallel-algo", "--striped-stripe-size", "--striped-doc-placement", "--context-parallel-timeout-s",
-          "--striped-calibrate")
+_FLAGS = ("--context-parallel-algo", "--striped-stripe-size", "--striped-doc-placement", "--striped-order",
+          "--context-parallel-timeout-s", "--striped-calibrate")
 #: ``--striped-calibrate`` asked for and not yet done in this process: module-level because
 #: validate_args (which reads the flag, before any process group exists) and the first core
 #: attention built (which has the CP group, before any batch is placed) are apart
@@ -164,6 +181,16 @@ def add_arguments(parser):
         help="--context-parallel-algo striped on packed THD rows (--sft): 'split' stripes every "
         "document over all CP ranks; an integer L keeps documents of at most L tokens whole on one "
         "rank (dealt by a balancing solver) and stripes the rest; 'auto' lets the cost model pick L.",
+    )
+    add(
+        "--striped-order",
+        type=str,
+        default=None,
+        choices=["round", "mirror"],
+        help="--context-parallel-algo striped with an integer --striped-stripe-size: how its stripes are "
+        "dealt to the CP ranks: 'round' (stripe g to rank g mod CP, the paper's) or 'mirror' (ranks "
+        "0..CP-1, then CP-1..0: zigzag's order; stripes of seq-length / (2*CP) are zigzag's own placement). "
+        "Not given: round, except where the default's cost model picks zigzag's order under --window-size.",
     )
     add(
         "--striped-calibrate",

@@ -32,9 +32,9 @@ class Striped(Layout):
     ``window`` / ``global_every`` (``"striped:window=W,global_every=K"``; ``"auto"`` stripes only): a
     hint that the model's layers have a sliding window of ``W`` tokens (one global causal layer in
     every ``K``), since the window is not known where the batch is sharded.  A row of one document
-    then runs the stripes :func:`~striped_sp.plan.stripe_choice.choose_stripe_size` gives for it
-    (``W / 4`` where the window layers hold enough of the entries, else 1), resolved per row length
-    (:meth:`row_stripe`); packed rows run stripes of ``W / 8`` from
+    then runs the placement the cost model predicts fastest for those layers
+    (:func:`~striped_sp.plan.window_choice.window_choice`: zigzag's order, stripes of 1 or of a power
+    of two up to ``S / N``), resolved per row length (:meth:`row_stripe`); packed rows run stripes of ``W / 8`` from
     :data:`~striped_sp.plan.stripe_choice.PACKED_WINDOW_MIN_RANKS` ranks on and the search on fewer
     (:meth:`packed_stripe`).  Every layer of the model runs those stripes:
     the global layers run the masked plans of them, the window layers skip the ring steps past the
@@ -106,23 +106,22 @@ class Striped(Layout):
                 params.append(f"global_every={self.global_every}")
         return self.name + (":" + ",".join(params) if params else "")
 
-    def row_stripe(self, seq_len: int, world_size: int) -> int:
+    def row_stripe(self, seq_len: int, world_size: int) -> int | str:
         """The stripe size a row of one document of ``seq_len`` tokens runs on ``world_size`` ranks:
-        1, or with a window hint the one :func:`~striped_sp.plan.stripe_choice.choose_stripe_size`
-        gives (a power of two dividing ``seq_len / world_size``; 1 where it would be under
-        :data:`~striped_sp.plan.stripe_choice.MIN_STRIPE`)."""
+        1 or ``"doc"`` (zigzag's order), whichever the cost model predicts faster
+        (:func:`~striped_sp.plan.dense_choice.dense_choice`); with a window hint the placement it
+        predicts fastest for the hint's layers (:func:`~striped_sp.plan.window_choice.window_choice`:
+        zigzag's order, stripes of 1 or a power of two dividing ``seq_len / world_size``)."""
         if not self.auto:
             return self.stripe_size
         if self.window is None:  # stripes of 1 or zigzag's order ("doc"), whichever the cost model says
             from .dense_choice import dense_choice
 
             return dense_choice(int(seq_len), int(world_size))[0]
-        from .stripe_choice import MIN_STRIPE, choose_stripe_size, window_layer_counts
+        from .stripe_choice import window_layer_counts
+        from .window_choice import window_choice
 
-        window_layers, global_layers = window_layer_counts(self.global_every)
-        stripe = choose_stripe_size(int(seq_len), int(world_size), packed=False, window=self.window,
-                                    window_layers=window_layers, global_layers=global_layers)
-        return stripe if stripe >= MIN_STRIPE else 1  # a row whose S / N no stripe of 64+ divides
+        return window_choice(int(seq_len), int(world_size), self.window, *window_layer_counts(self.global_every))[0]
 
     def packed_stripe(self, seq_len: int, world_size: int) -> int | None:
         """With a window hint on ``world_size >= PACKED_WINDOW_MIN_RANKS`` ranks, the stripes a packed row
@@ -189,13 +188,9 @@ class Striped(Layout):
                     "measured up to 1.4x slower there from 4 ranks on)")
         if cu_seqlens is None or len(cu_seqlens) <= 2:
             if self.auto and self.window is not None:
-                stripe = self.row_stripe(seq_len, world_size)
-                every = "every layer" if self.global_every is None else f"one global layer in {self.global_every}"
-                return (f"a row of one document under the window hint {self.window} ({every}): stripes of {stripe}"
-                        + (" (the window rule of plan/stripe_choice.py: W / 4 where window layers hold at least "
-                           "20% of the entries)" if stripe > 1 else
-                           " (the window layers hold too few of the entries for larger stripes, or the row is too "
-                           "short), the dense plans on layers without a window"))
+                from .window_choice import window_decision
+
+                return window_decision(int(seq_len), int(world_size), self.window, self.global_every)
             if self.auto:
                 from .dense_choice import dense_decision
 

@@ -1,7 +1,8 @@
 """The striped window hint (``"striped:window=W,global_every=K"``, issue 36): the default search on
-packed rows, and on a row of one document the stripes of the window rule (``W / 4`` where window
-layers hold enough of the entries), for every layer of the model: window layers skip the ring steps
-past the window, global layers run the masked plans of the same stripes.
+packed rows, and on a row of one document the placement the cost model predicts fastest for the
+hint's layers (issue 57: zigzag's order, stripes of 1 or larger stripes; plan/window_choice.py), for
+every layer of the model: window layers skip the ring steps past the window, global layers run the
+masked plans of the same stripes (zigzag's dense plans for zigzag's order).
 
 References: float64 attention on the full row (tests/support/reference.py) and positions written out
 by hand, never the module under test at CP = 1."""
@@ -61,27 +62,35 @@ def test_bool_window_is_refused():
         Striped(window=True)
 
 
+def _zigzag_by_hand(seq_len: int, n: int, rank: int) -> list[int]:
+    """Rank ``rank``'s positions under zigzag's order: chunks ``rank`` and ``2N-1-rank`` of ``S / 2N``."""
+    c = seq_len // (2 * n)
+    return [p for p in range(seq_len) if p // c in (rank, 2 * n - 1 - rank)]
+
+
+# the CPU cost model's choices (plan/window_choice.py; tests/dist/test_window_choice.py checks that a
+# choice is the fastest prediction): every layer windowed, stripes up to S / N, which skip the ring
+# steps past the window; global layers pull the choice to zigzag's order
 @pytest.mark.parametrize("hint, seq_len, n, stripe", [
-    ("window=512", 4096, 4, 128),  # W / 4
-    ("window=4096", 65536, 8, 1024),
-    ("window=8192", 65536, 8, 2048),
-    ("window=4096,global_every=6", 65536, 8, 1024),  # window layers hold 38% of the entries
-    ("window=4096,global_every=2", 65536, 8, 1),  # 11%: stripes of 1 win (docs/tuning.md, K = 2)
-    ("window=1024", 2 * 192, 2, 64),  # the largest power of two under W / 4 that divides S / N
-    ("window=1024", 2 * 96, 2, 1),  # none of 64 or more divides S / N: stripes of 1
-    ("window=100", 4096, 4, 64),  # never under 64 tokens (kernel tiles)
-    ("window=512,global_every=2", 4096, 4, 1),  # window layers hold 19% of the entries
+    ("window=512", 4096, 4, 1024),  # S / N: contiguous chunks, two ring steps
+    ("window=2048", 4096, 4, 256),  # a window wider than S / N
+    ("window=100", 4096, 4, 128),
+    ("window=1024", 2 * 192, 2, "doc"),  # a short row: zigzag's order
+    ("window=512,global_every=2", 4096, 4, "doc"),  # every other layer global
+    ("window=8,global_every=2", 64, 2, 1),
 ])
-def test_one_document_rows_run_the_window_rule(hint, seq_len, n, stripe):
+def test_one_document_rows_run_the_cost_models_placement(hint, seq_len, n, stripe):
     lay = get_layout(f"striped:{hint}")
     assert lay.row_stripe(seq_len, n) == stripe
     for r in (0, n - 1):
-        assert striped_sp.positions(seq_len, n, r, lay.key).tolist() == _stripes_by_hand(seq_len, n, r, stripe)
-    assert lay.dense_row(seq_len, n) == (stripe == 1)
+        want = _zigzag_by_hand(seq_len, n, r) if stripe == "doc" else _stripes_by_hand(seq_len, n, r, stripe)
+        assert striped_sp.positions(seq_len, n, r, lay.key).tolist() == want
+    assert lay.dense_row(seq_len, n) == (stripe in (1, "doc"))
     mask = make_mask(seq_len, n, lay, window_size=(lay.window - 1, 0))
-    assert lay.window_block(n, seq_len // n, mask) == stripe
-    words = f"stripes of {stripe}"
-    assert words in lay.decision(seq_len, n) and str(lay.window) in lay.decision(seq_len, n)
+    assert lay.window_block(n, seq_len // n, mask) == (None if stripe == "doc" else stripe)
+    words = "zigzag's order" if stripe == "doc" else f"stripes of {stripe},"
+    chosen = lay.decision(seq_len, n).split(": ")[1]  # "<window hint W (...)>: <chosen>, by the cost model"
+    assert chosen.startswith(words) and str(lay.window) in lay.decision(seq_len, n)
 
 
 def test_packed_rows_keep_the_search_on_two_or_three_ranks():
@@ -119,9 +128,10 @@ def test_packed_rows_run_w8_stripes_from_four_ranks(n, seq, window, stripe):
 
 
 def test_window_layers_skip_the_steps_past_the_window():
-    lay = get_layout("striped:window=256")  # stripes of 64 on 4 ranks of 1024 tokens
-    mask = make_mask(4096, 4, lay, window_size=(100, 0))
-    assert lay.row_stripe(4096, 4) == 64 and lay.ring_steps(4, 1024, mask) == 3  # ceil(100 / 64) + 1
+    lay = get_layout("striped:window=100")  # stripes of 128 on 4 ranks of 1024 tokens
+    mask = make_mask(4096, 4, lay, window_size=(300, 0))
+    assert lay.row_stripe(4096, 4) == 128 and lay.ring_steps(4, 1024, mask) == 4  # ceil(300 / 128) + 1 = 4
+    assert lay.ring_steps(4, 1024, make_mask(4096, 4, lay, window_size=(100, 0))) == 2
     assert lay.ring_steps(4, 1024, make_mask(4096, 4, lay)) == 4
 
 
@@ -129,8 +139,9 @@ def test_the_global_layers_run_masked_plans_only_where_the_stripes_are_larger_th
     def mask_of(layout, seq_len, n):
         return RingRequest(None, layout=layout)._mask(seq_len // n, n)
 
-    assert mask_of("striped:window=512", 4096, 4) is not None  # stripes of 128: the masked plans
-    assert mask_of("striped:window=512,global_every=2", 4096, 4) is None  # stripes of 1: the dense plans
+    assert mask_of("striped:window=512", 4096, 4) is not None  # stripes of 1024: the masked plans
+    assert mask_of("striped:window=512,global_every=2", 4096, 4) is None  # zigzag's order: its dense plans
+    assert mask_of("striped:window=8,global_every=2", 64, 2) is None  # stripes of 1: the dense plans
     assert mask_of("striped", 4096, 4) is None
 
 
@@ -146,7 +157,7 @@ _LAYERS = [
 _EVERY_RUN = {(0, 8), (1, 2), (2, 3), (3, 4), (4, 4)}
 
 
-# one row of 512 (N = 8: 256) tokens per rank: stripes of 128 (64) under window=512
+# one row of 512 (N = 8: 256) tokens per rank under window=512: the cost model's stripes
 @pytest.mark.parametrize("n, layer", [
     pytest.param(n, layer, id=f"layer{i}-{n}", marks=() if (i, n) in _EVERY_RUN else pytest.mark.release)
     for i, layer in enumerate(_LAYERS) for n in (2, 3, 4, 8)])
@@ -156,8 +167,8 @@ def test_exact_against_float64(n, layer):
                            heads=4, kv_heads=2)
 
 
-# make test runs one hint of each of the two below (stripes of 512; of 128 under Ulysses), the
-# stripes-of-1 hint of each is marked release (make test-release: ~25 s each on 2 cores)
+# make test runs one hint of each of the two below (large stripes), the zigzag's-order hint of each
+# is marked release (make test-release: ~25 s each on 2 cores)
 @pytest.mark.parametrize("hint", [pytest.param("striped:window=512,global_every=2", marks=pytest.mark.release),
                                   "striped:window=2048"])
 def test_exact_with_other_resolved_stripes(hint):
@@ -165,7 +176,7 @@ def test_exact_with_other_resolved_stripes(hint):
         check_simulation_exact(4, 1024, dict(layer, layout=hint), f"{hint}-{sorted(layer)}", heads=4, kv_heads=4)
 
 
-@pytest.mark.parametrize("hint", ["striped:window=512",  # stripes of 128, of 1
+@pytest.mark.parametrize("hint", ["striped:window=512",  # stripes of 1024; zigzag's order
                                   pytest.param("striped:window=512,global_every=2", marks=pytest.mark.release)])
 def test_exact_under_ulysses(hint):
     for layer in ({"window_size": (100, 0)}, {}):
@@ -177,7 +188,7 @@ def test_bench_plan_lines_name_the_stripes_a_row_of_one_document_runs():
     from striped_sp.bench.report import plan_report
 
     assert plan_report("striped:window=1024", (0, 8192), 2, False, 8)["plan"].endswith(
-        "one document: stripes of 256 (the window hint)")
+        "one document: stripes of 4096 (the window hint)")  # S / N: every layer windowed
     assert plan_report("striped:stripe=auto", (0, 8192), 2, False, 8)["plan"].endswith(
         "one document: zigzag's order (2N stripes mirrored)")  # the CPU model's choice on one document
     assert "stripe_size doc" in plan_report("striped:window=1024", (0, 100, 8192), 2, False, 8)["plan"]
@@ -188,10 +199,10 @@ def test_the_dense_plans_are_refused_where_the_row_runs_larger_stripes():
     row whose hint resolves to larger stripes (the data would be dealt in those)."""
     from striped_sp.plan.ring_plan import build_host_plan
 
-    hinted = get_layout("striped:window=512")  # stripes of 128 at 4 x 1024
+    hinted = get_layout("striped:window=512")  # stripes of 1024 at 4 x 1024
     with pytest.raises(NotImplementedError, match="masked plans"):
         build_host_plan(hinted, None, True, 4, 1, 1024)
-    low = get_layout("striped:window=512,global_every=2")  # stripes of 1: the dense plans
+    low = get_layout("striped:window=512,global_every=2")  # zigzag's order: its dense plans
     assert build_host_plan(low, None, True, 4, 1, 1024).calls
 
 
@@ -199,14 +210,14 @@ def test_bench_prediction_prices_the_masked_plans_of_the_hint():
     from striped_sp.bench.predict import _hosts
 
     hosts = _hosts("striped:window=1024", 2, 4096, None)
-    assert hosts[0].masked  # stripes of 256: the masked plans the engine runs
+    assert hosts[0].masked  # stripes of 4096: the masked plans the engine runs
     assert not _hosts("striped", 2, 4096, None)[0].masked
 
 
 def test_numpy_lengths_are_taken():
     import numpy as np
 
-    assert striped_sp.positions(np.int64(8192), 2, 0, "striped:window=1024").tolist() == _stripes_by_hand(8192, 2, 0, 256)
+    assert striped_sp.positions(np.int64(8192), 2, 0, "striped:window=1024").tolist() == _stripes_by_hand(8192, 2, 0, 4096)
 
 
 def test_exact_on_packed_rows_where_the_window_spans_several_stripes():

@@ -52,12 +52,16 @@ def test_exactly_the_documented_share_takes_stripes(seq, window, wl, gl, n, stri
     assert choose_stripe_size(seq, n, False, window, wl, gl) == stripe
     assert window_share(seq, window, wl, gl + 1) < WINDOW_SHARE_MIN
     assert choose_stripe_size(seq, n, False, window, wl, gl + 1) == 1
-    # the Megatron flag on the same layers (the window ones first, then the full-attention ones)
+    # the Megatron flag on the same layers (the window ones first, then the full-attention ones) takes
+    # the cost model's placement for them instead (issue 57, plan/window_choice.py)
     args = _megatron_args(seq_length=seq, context_parallel_size=n, num_layers=wl + gl, window_size=(window, 0),
                           window_attn_skip_freq=[1] * wl + [0] * gl)
     import striped_sp.megatron as sm
+    from striped_sp.plan.window_choice import window_choice
 
-    assert sm.algo_of(args) == f"striped:stripe={stripe}"
+    chosen = window_choice(seq, n, window, wl, gl)[0]
+    assert sm.algo_of(args) == (f"striped:stripe={seq // (2 * n)},order=mirror" if chosen == "doc" else
+                                f"striped:stripe={chosen}" if chosen != 1 else "striped:stripe=1")
 
 
 def test_bad_counts_are_value_errors():
@@ -74,15 +78,20 @@ def _megatron_args(**kw):
     return types.SimpleNamespace(**base)
 
 
+# rows of one document under a window: the CPU cost model's placement for the layers (issue 57,
+# plan/window_choice.py; tests/dist/test_window_choice.py), on 4 ranks of 4096 tokens, window 1024
+_W = {"window_size": (1024, 0), "seq_length": 16384, "context_parallel_size": 4}
+
+
 @pytest.mark.parametrize("kw, key", [
     ({}, "striped"),
     ({"sft": True}, "striped:stripe=auto"),
-    ({"window_size": (4096, 0)}, "striped:stripe=1024"),
-    ({"window_size": (4096, 0), "window_attn_skip_freq": 6}, "striped:stripe=1024"),  # 10 of 12 windowed
+    (_W, "striped:stripe=4096"),                                                      # S / N: 2 ring steps
+    ({**_W, "window_attn_skip_freq": 6}, "striped:stripe=1024"),                      # 10 of 12 windowed
     ({"window_size": (4096, 0), "sft": True}, "striped:stripe=512"),                  # packed rows: W/8
-    ({"window_size": (4096, 0), "window_attn_skip_freq": 2}, "striped"),               # 6 of 12: share 0.11
-    ({"window_size": (4096, 0), "window_attn_skip_freq": [1, 0] * 6}, "striped"),
-    ({"window_size": (4096, 0), "window_attn_skip_freq": [1] * 11 + [0]}, "striped:stripe=1024"),
+    ({**_W, "window_attn_skip_freq": 2}, "striped:stripe=2048,order=mirror"),         # 6 of 12: zigzag's order
+    ({**_W, "window_attn_skip_freq": [1, 0] * 6}, "striped:stripe=2048,order=mirror"),
+    ({**_W, "window_attn_skip_freq": [1] * 11 + [0]}, "striped:stripe=2048"),
 ])
 def test_megatron_auto_flag(kw, key):
     import striped_sp.megatron as sm

@@ -1,7 +1,8 @@
 """The striped default takes a transformers model's sliding window as its layout hint (issue 36), on
 2 gloo ranks: ``initialize`` with a Mistral-style model (every layer windowed) and a Qwen2-style one
 (one global layer in three) and ``training_data`` runs ``"striped:window=W[,global_every=K]"``; its
-loader deals stripes of 64 (positions written out by hand); the loss and gradients equal the plain
+loader deals the stripes the cost model picks for the hint (128 = S / N here, issue 57; positions
+written out by hand); the loss and gradients equal the plain
 model's on the full rows (transformers' own sliding-window mask, no context parallelism).  Without
 ``training_data`` (the user shards in ``"striped"``) there is no hint."""
 
@@ -20,7 +21,8 @@ from test_deepspeed_packed import _setup  # DeepSpeed's comm on the gloo ranks, 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
-WORLD, SEQ, WINDOW = 2, 256, 40  # stripes of 64 (the rule's least) on one document of 256 tokens
+WORLD, SEQ, WINDOW = 2, 256, 40
+STRIPE = 128  # the cost model's stripes for both hints on one document of 256 tokens (plan/window_choice.py)
 
 
 def _model(kind):
@@ -50,6 +52,7 @@ class _Rows(torch.utils.data.Dataset):
 
 def _case(kind, layout):
     from striped_sp.deepspeed import initialize
+    from striped_sp.plan.layouts import get_layout
 
     ref = _model(kind)
     rows = [_Rows()[i] for i in range(2)]
@@ -64,7 +67,8 @@ def _case(kind, layout):
     assert engine.context_parallel.layout == layout, engine.context_parallel.layout
     rank = dist.get_rank(engine.context_parallel_group)
     batch = next(iter(loader))
-    by_hand = [p for p in range(SEQ) if (p // 64) % WORLD == rank]  # stripes of 64
+    assert get_layout(layout).row_stripe(SEQ, WORLD) == STRIPE
+    by_hand = [p for p in range(SEQ) if (p // STRIPE) % WORLD == rank]
     assert batch["position_ids"][0].tolist() == by_hand
     loss = engine(**batch).loss
     engine.backward(loss)
