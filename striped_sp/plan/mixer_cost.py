@@ -28,10 +28,11 @@ FORMS = ("split", "state", "gathered")
 
 #: ``kind -> form -> (a, b)``: ms per token and per token squared of one layer (width 256, fp32,
 #: fwd + bwd, one thread per rank, gloo), refitted by ``bench state_split --fit``; fitted on the
-#: N = 2, 4 and S = 4096, 16384 rows of docs/results.md's state-passing table (2-core CPU)
+#: N = 2, 4 and S = 4096, 16384 rows of docs/results.md's state-passing tables (2-core CPU)
 FITTED: dict[str, dict[str, tuple[float, float]]] = {
     "gated delta net": {"split": (0.1755, 3.682e-05), "state": (0.319, 3.041e-05), "gathered": (0.1497, 4.212e-05)},
     "Mamba2": {"split": (0.318, 3.926e-06), "state": (0.3435, 5.092e-06), "gathered": (0.2277, 2.034e-05)},
+    "short convolution": {"split": (0.05411, 0), "state": (0.06686, 0), "gathered": (0.0537, 7.378e-07)},
 }
 
 

@@ -33,9 +33,9 @@ def test_past_the_heads_state_passing_never_the_gather():
 
 
 def test_a_kind_without_figures_keeps_the_rule():
-    assert choose("short convolution", 4, 16384, True, True) == ("split", {})
-    assert choose("short convolution", 4, 16384, False, True) == ("state", {})
-    assert switches("short convolution", 4, True, True) == [(1024, "split", {})]
+    assert choose("unmeasured", 4, 16384, True, True) == ("split", {})
+    assert choose("unmeasured", 4, 16384, False, True) == ("state", {})
+    assert switches("unmeasured", 4, True, True) == [(1024, "split", {})]
 
 
 def test_the_shipped_figures_pick_within_5_percent_of_the_measured_fastest():
