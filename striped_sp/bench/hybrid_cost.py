@@ -75,8 +75,9 @@ def gather_bytes(seq_len: int, world_size: int, hidden: int, element_size: int) 
             "gather_bwd_bytes_gloo": 2 * whole * (n - 1) // n}
 
 
-def mixer_module(name: str, hidden: int, dtype=torch.float32) -> torch.nn.Module:
-    """transformers' mixer ``name`` from a tiny config of width ``hidden`` (seeded by the caller)."""
+def mixer_module(name: str, hidden: int, dtype=torch.float32, key_heads: int | None = None) -> torch.nn.Module:
+    """transformers' mixer ``name`` from a tiny config of width ``hidden`` (seeded by the caller); a gated
+    delta net has ``hidden / 64`` value heads and ``key_heads`` key heads (default: as many)."""
     if name == "short_conv":
         from transformers import Lfm2Config
         from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
@@ -90,7 +91,7 @@ def mixer_module(name: str, hidden: int, dtype=torch.float32) -> torch.nn.Module
 
         heads = max(1, hidden // 64)
         config = Qwen3NextConfig(hidden_size=hidden, num_hidden_layers=1, linear_num_value_heads=heads,
-                                 linear_num_key_heads=heads, linear_key_head_dim=64, linear_value_head_dim=64,
+                                 linear_num_key_heads=key_heads or heads, linear_key_head_dim=64, linear_value_head_dim=64,
                                  linear_conv_kernel_dim=4, num_attention_heads=4, num_key_value_heads=4,
                                  head_dim=64, intermediate_size=4 * hidden, vocab_size=256,
                                  layer_types=["linear_attention"])

@@ -53,12 +53,13 @@ class HybridSplitConfig:
     model_modes: tuple = ("sp1", "split", "gathered")
 
 
-def mixer_of(kind: str, hidden: int) -> torch.nn.Module:
-    """transformers' mixer module of ``kind`` at width ``hidden`` (float32, seeded by the caller)."""
+def mixer_of(kind: str, hidden: int, key_heads: int | None = None) -> torch.nn.Module:
+    """transformers' mixer module of ``kind`` at width ``hidden`` (float32, seeded by the caller;
+    ``key_heads``: a gated delta net's, default its value heads')."""
     from .hybrid_cost import mixer_module
 
     if kind in ("short_conv", "gated_delta"):
-        return mixer_module(kind, hidden)
+        return mixer_module(kind, hidden, key_heads=key_heads)
     if kind == "mamba2":
         from transformers import BambaConfig
         from transformers.models.bamba.modeling_bamba import BambaMixer

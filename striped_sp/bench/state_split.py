@@ -89,7 +89,7 @@ def _worker(rank, args, n, device_type, init_file, results):
     records = []
     for kind in args.kinds:
         torch.manual_seed(0)
-        module = mixer_of(kind, args.hidden).train()
+        module = mixer_of(kind, args.hidden, args.key_heads).train()
         split, _ = split_or_reason(module, n)
         state = find_state(module)
         for seq in args.seq_lens:
@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--seq-lens", default="4096,16384")
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--key-heads", type=int, default=None, help="a gated delta net's key heads (default: hidden / 64)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES), help="the forms to time (default: all)")
     p.add_argument("--json", default=None, help="also write the records to this file")
@@ -191,8 +192,8 @@ def main(argv=None) -> int:
     records = []
     for n in (int(s) for s in args.world_sizes.split(",")):
         records += spawn_ranks(_worker, (args, n, "cpu"), n, 3600.0, f"state passing N={n}")[0]
-    print(f"one mixer layer, fwd+bwd, hidden {args.hidden}, float32, gloo, one thread per rank, striped; "
-          f"medians of {args.reps}; cpu ms: the busiest rank's\n")
+    print(f"one mixer layer, fwd+bwd, hidden {args.hidden} (key heads {args.key_heads or 'as value heads'}), float32, "
+          f"gloo, one thread per rank, striped; medians of {args.reps}; cpu ms: the busiest rank's\n")
     print(format_table(records, [(k, k) for k in records[0]]))
     if args.json:
         with open(args.json, "w") as f:

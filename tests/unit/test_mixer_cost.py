@@ -53,18 +53,24 @@ def test_the_shipped_figures_pick_within_5_percent_of_the_measured_fastest():
             assert predict_ms(kind, f, n, seq) == pytest.approx(measured[f], rel=0.2), (kind, n, seq, f)
 
 
-def test_the_refit_reproduces_its_figures(tmp_path):
-    """``state_split --fit`` on records made from the model itself returns the model's figures."""
+def test_the_refit_reproduces_its_figures(tmp_path, capsys):
+    """``state_split --fit`` on records made from the model itself returns the model's figures, and
+    tests them on the rows of other N and lengths (error 0, the choice the fastest)."""
+    from striped_sp.bench import state_split
     from striped_sp.bench.mixer_fit import fit, fitted_source
 
     records = [{"kind": "gated_delta", "N": n, "S": s, **{f"{f}_cpu_ms": predict_ms("gated delta net", f, n, s)
                                                           for f in mixer_cost.FORMS}}
-               for n in (2, 4) for s in (4096, 16384)]
-    (tmp_path / "r.json").write_text(json.dumps(records))
-    got = fit(records, {4096, 16384})["gated delta net"]
+               for n in (2, 4, 8) for s in (4096, 8192, 16384)]
+    got = fit(records, {4096, 16384}, {2, 4})["gated delta net"]
     for f in mixer_cost.FORMS:
         assert got[f] == pytest.approx(mixer_cost.FITTED["gated delta net"][f], rel=1e-6)
     assert '"gated delta net": {"split": (' in fitted_source({"gated delta net": got})
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    assert state_split.main(["--fit", str(tmp_path / "r.json"), "--fit-world-sizes", "2,4"]) == 0
+    out = capsys.readouterr().out
+    assert "fitted: S in [4096, 16384], N in [2, 4]" in out and "|error|: median 0.00, max 0.00" in out, out
+    assert "costs at most 1.00x the measured fastest" in out, out
 
 
 def _tiny(model_type, **overrides):
