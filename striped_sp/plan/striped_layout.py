@@ -127,8 +127,10 @@ class Striped(Layout):
         """With a window hint on ``world_size >= PACKED_WINDOW_MIN_RANKS`` ranks, the stripes a packed row
         of ``seq_len`` tokens runs: ``W / 8`` (the rule of
         :func:`~striped_sp.plan.stripe_choice.choose_stripe_size` for packed rows), halved until the
-        row is a whole number of stripes per rank; ``None``: the per-batch search (fewer ranks, no
-        hint, or no stripe of 64 or more fits)."""
+        row is a whole number of stripes per rank, or the larger stripes the cost model picks for a row
+        of one document of that length (:func:`~striped_sp.plan.window_choice.window_choice`; per row
+        length, not per batch); ``None``: the per-batch search (fewer ranks, no hint, or no stripe of 64
+        or more fits)."""
         from .stripe_choice import MIN_STRIPE, PACKED_WINDOW_MIN_RANKS, choose_stripe_size, window_layer_counts
 
         if not self.auto or self.window is None or world_size < PACKED_WINDOW_MIN_RANKS:
@@ -138,7 +140,14 @@ class Striped(Layout):
                                     window_layers=window_layers, global_layers=global_layers)
         while stripe >= MIN_STRIPE and seq_len % (world_size * stripe):
             stripe //= 2
-        return stripe if stripe >= MIN_STRIPE else None
+        if stripe < MIN_STRIPE:
+            return None
+        from .window_choice import window_choice
+
+        # larger stripes where the cost model picks them for a row of one document of this length
+        # (up to S / N: a window balances contiguous chunks; measured 1.3x W / 8 on the web mix at N = 4)
+        larger = window_choice(int(seq_len), int(world_size), self.window, window_layers, global_layers)[0]
+        return larger if isinstance(larger, int) and larger > stripe else stripe
 
     def row_plan(self, seq_len: int, world_size: int, cu_seqlens=None) -> tuple:
         """``(stripe_size, doc_placement)`` a row runs: the layout's own, with ``"auto"`` resolved where
@@ -184,8 +193,9 @@ class Striped(Layout):
         packed = None if cu_seqlens is None or len(cu_seqlens) <= 2 else self.packed_stripe(seq_len, world_size)
         if packed is not None:
             return (f"a packed row of {len(cu_seqlens) - 1} documents under the window hint {self.window} on "
-                    f"{world_size} ranks: stripes of {packed} (W / 8; the per-batch search, which knows no windows, "
-                    "measured up to 1.4x slower there from 4 ranks on)")
+                    f"{world_size} ranks: stripes of {packed} (W / 8, or larger where the cost model picks larger for a "
+                    "row of one document of this length; the per-batch search, which knows no windows, measured up "
+                    "to 1.4x slower there from 4 ranks on)")
         if cu_seqlens is None or len(cu_seqlens) <= 2:
             if self.auto and self.window is not None:
                 from .window_choice import window_decision

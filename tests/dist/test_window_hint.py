@@ -106,9 +106,9 @@ def test_packed_rows_keep_the_search_on_two_or_three_ranks():
 
 
 @pytest.mark.parametrize("n, seq, window, stripe", [
-    (4, 4096, 1024, 128),  # W / 8
-    (8, 8192, 4096, 512),
-    (4, 4 * 192, 1024, 64),  # halved until S / N holds whole stripes
+    (4, 4096, 1024, 1024),  # the cost model's stripes for one document of 4096 tokens: S / N, above W / 8
+    (8, 8192, 4096, 1024),
+    (4, 4 * 192, 1024, 64),  # W / 8 halved until S / N holds whole stripes (one document: zigzag's order)
     (4, 4 * 96, 1024, None),  # no stripe of 64 or more fits: the search
 ])
 def test_packed_rows_run_w8_stripes_from_four_ranks(n, seq, window, stripe):
@@ -221,9 +221,9 @@ def test_numpy_lengths_are_taken():
 
 
 def test_exact_on_packed_rows_where_the_window_spans_several_stripes():
-    """Stripes of 64 on 8 ranks and a window of 300 keys: the ring skips the steps past ceil(300 / 64) + 1,
+    """Stripes of 256 on 8 ranks and a window of 300 keys: the ring skips the steps past ceil(300 / 256) + 1,
     never one that still holds visible keys."""
     lay = get_layout("striped:window=512")
-    assert lay.packed_stripe(8 * 256, 8) == 64
+    assert lay.packed_stripe(8 * 256, 8) == 256
     check_simulation_exact(8, 256, {"layout": lay.key, "docs": True, "window_size": (300, 0)}, "hint-packed-300",
                            heads=2, kv_heads=1)
