@@ -2,10 +2,12 @@
 document: the placement the kernel's cost model predicts fastest for the model's layers, window and
 global alike, since the data layout is shared by all of them.
 
-Candidates: zigzag's order (``"doc"``: ``2N`` stripes of ``S / 2N`` dealt mirrored, zigzag's dense block
-plans on the global layers), the paper's stripes of 1, and stripes of every power of two ``s`` from
-:data:`~striped_sp.plan.stripe_choice.MIN_STRIPE` up to ``S / N`` that divides ``S / N`` (stripes of
-``S / N`` are contiguous chunks).  Each is priced as the engine runs it: every rank's host plan
+Candidates (:func:`window_candidates`): zigzag's order (``"doc"``: ``2N`` stripes of ``S / 2N`` dealt
+mirrored, zigzag's dense block plans on the global layers), the paper's stripes of 1, and stripes of
+every power of two ``s`` from ``W / 8`` (at least :data:`~striped_sp.plan.stripe_choice.MIN_STRIPE`) up
+to ``S / N`` that divides ``S / N`` (stripes of ``S / N`` are contiguous chunks).  Packed rows under the
+hint take these stripes where they are larger than ``W / 8``
+(:meth:`~striped_sp.plan.striped_layout.Striped.packed_stripe`).  Each is priced as the engine runs it: every rank's host plan
 (:func:`~striped_sp.plan.ring_plan.build_host_plan`) for the windowed mask and, with global layers,
 for the plain causal row; per ring step the slowest rank's calls
 (:meth:`~striped_sp.plan.cost.CostModel.each_segment_ns`, :meth:`~striped_sp.plan.cost.CostModel.call`)
