@@ -73,9 +73,10 @@ def _auto_stripe(args) -> tuple:
     seq = int(getattr(args, "seq_length", None) or cp)
     sft = bool(getattr(args, "sft", False))
     if not sft and 0 <= left < seq and windowed and cp > 1 and seq % cp == 0:
+        from ..plan.layouts import Striped
         from ..plan.window_choice import window_choice
 
-        stripe = window_choice(seq, cp, left, windowed, layers - windowed)[0]
+        stripe = window_choice(seq, cp, left, windowed, layers - windowed, striped=Striped)[0]
         return (seq // (2 * cp), "mirror") if stripe == "doc" else (stripe, "round")
     return choose_stripe_size(seq, cp, sft, left if left >= 0 else None, windowed, layers - windowed), None
 

@@ -121,7 +121,8 @@ class Striped(Layout):
         from .stripe_choice import window_layer_counts
         from .window_choice import window_choice
 
-        return window_choice(int(seq_len), int(world_size), self.window, *window_layer_counts(self.global_every))[0]
+        return window_choice(int(seq_len), int(world_size), self.window, *window_layer_counts(self.global_every),
+                             striped=Striped)[0]
 
     def packed_stripe(self, seq_len: int, world_size: int) -> int | None:
         """With a window hint on ``world_size >= PACKED_WINDOW_MIN_RANKS`` ranks, the stripes a packed row
@@ -146,7 +147,8 @@ class Striped(Layout):
 
         # larger stripes where the cost model picks them for a row of one document of this length
         # (up to S / N: a window balances contiguous chunks; measured 1.3x W / 8 on the web mix at N = 4)
-        larger = window_choice(int(seq_len), int(world_size), self.window, window_layers, global_layers)[0]
+        larger = window_choice(int(seq_len), int(world_size), self.window, window_layers, global_layers,
+                               striped=Striped)[0]
         return larger if isinstance(larger, int) and larger > stripe else stripe
 
     def row_plan(self, seq_len: int, world_size: int, cu_seqlens=None) -> tuple:
@@ -200,7 +202,7 @@ class Striped(Layout):
             if self.auto and self.window is not None:
                 from .window_choice import window_decision
 
-                return window_decision(int(seq_len), int(world_size), self.window, self.global_every)
+                return window_decision(int(seq_len), int(world_size), self.window, self.global_every, striped=Striped)
             if self.auto:
                 from .dense_choice import dense_decision
 

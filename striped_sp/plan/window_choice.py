@@ -52,25 +52,27 @@ def window_candidates(seq_len: int, world_size: int, window: int) -> list:
 
 
 def window_choice(seq_len: int, world_size: int, window: int, window_layers: int = 1, global_layers: int = 0,
-                  model=None) -> tuple:
+                  model=None, *, striped: type) -> tuple:
     """``(stripe_size, predictions)``: the stripes a row of one document of ``seq_len`` tokens runs on
     ``world_size`` ranks for a model of ``window_layers`` layers with a window of ``window`` keys and
     ``global_layers`` global causal ones, and every candidate's
     :class:`~striped_sp.plan.search.Prediction` (``ms``: those layers' forward+backward time per head),
     in :func:`window_candidates` order.  A later candidate must beat every earlier one by
-    :data:`~striped_sp.plan.search.MIN_GAIN` of its time to be chosen."""
+    :data:`~striped_sp.plan.search.MIN_GAIN` of its time to be chosen.  ``striped``: the
+    striped layout class (:class:`~striped_sp.plan.striped_layout.Striped`), passed in by its callers
+    since the layouts call this module and it cannot import them back."""
     return _window_choice(int(seq_len), int(world_size), int(window), int(window_layers), int(global_layers),
-                          model_named(model))
+                          model_named(model), striped)
 
 
 @functools.lru_cache(maxsize=64)
 def _window_choice(seq_len: int, world_size: int, window: int, window_layers: int, global_layers: int,
-                   model) -> tuple:
+                   model, striped: type) -> tuple:
     preds = []
     for stripe in window_candidates(seq_len, world_size, window):
-        ms = window_layers * _ring_ms(seq_len, world_size, stripe, window, model)
+        ms = window_layers * _ring_ms(seq_len, world_size, striped(stripe_size=stripe), window, model)
         if global_layers:
-            ms += global_layers * _ring_ms(seq_len, world_size, stripe, None, model)
+            ms += global_layers * _ring_ms(seq_len, world_size, striped(stripe_size=stripe), None, model)
         preds.append(Prediction(stripe, 0, ms, 0, (), ()))
     best = preds[0]
     for p in preds[1:]:
@@ -79,14 +81,12 @@ def _window_choice(seq_len: int, world_size: int, window: int, window_layers: in
     return best.stripe_size, tuple(preds)
 
 
-def _ring_ms(seq_len: int, world_size: int, stripe, window, model) -> float:
-    """Forward+backward ms per head of one layer's ring under ``stripe`` (``window``: its left window;
+def _ring_ms(seq_len: int, world_size: int, layout, window, model) -> float:
+    """Forward+backward ms per head of one layer's ring under ``layout`` (``window``: its left window;
     ``None``: the plain causal row), as the engine plans it."""
-    from .layouts import get_layout
     from .masks import make_mask
     from .ring_plan import _predicted_ms, build_host_plan
 
-    layout = get_layout("striped", stripe)
     n = seq_len // world_size
     mask = None
     if window is not None or not layout.dense_row(seq_len, world_size):
@@ -100,11 +100,12 @@ def _ring_ms(seq_len: int, world_size: int, stripe, window, model) -> float:
     return model.ring_ns(compute, carried) / 1e6
 
 
-def window_decision(seq_len: int, world_size: int, window: int, global_every: int | None = None, model=None) -> str:
+def window_decision(seq_len: int, world_size: int, window: int, global_every: int | None = None, model=None, *,
+                    striped: type) -> str:
     """The setup line of :func:`window_choice` under the hint ``window=W,global_every=K``: what a row of
     one document runs and why."""
     model = model_named(model)
-    stripe, preds = window_choice(seq_len, world_size, window, *window_layer_counts(global_every), model)
+    stripe, preds = window_choice(seq_len, world_size, window, *window_layer_counts(global_every), model, striped=striped)
     chosen = next(p for p in preds if p.stripe_size == stripe)
     every = "every layer" if global_every is None else f"one global layer in {global_every}"
     name = {"doc": "zigzag's order (2N stripes mirrored)", 1: "stripes of 1"}

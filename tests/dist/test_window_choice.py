@@ -15,7 +15,7 @@ import pytest
 
 from local_exact import check_simulation_exact
 import striped_sp
-from striped_sp.plan.layouts import get_layout
+from striped_sp.plan.layouts import Striped, get_layout
 from striped_sp.plan.masks import make_mask
 from striped_sp.plan.search import MIN_GAIN
 from striped_sp.plan.window_choice import window_candidates, window_choice
@@ -44,7 +44,7 @@ def test_candidates_by_hand():
 @pytest.mark.parametrize("seq, n, window, layers", [
     (1024, 4, 64, (1, 0)), (1024, 4, 64, (1, 3)), (8192, 2, 1024, (5, 1)), (16384, 8, 1024, (1, 0))])
 def test_the_choice_is_the_fastest_prediction(seq, n, window, layers):
-    stripe, preds = window_choice(seq, n, window, *layers, model="cpu")
+    stripe, preds = window_choice(seq, n, window, *layers, model="cpu", striped=Striped)
     assert [p.stripe_size for p in preds] == window_candidates(seq, n, window)
     best = min(p.ms for p in preds)
     chosen = next(p for p in preds if p.stripe_size == stripe)

@@ -57,9 +57,10 @@ def test_exactly_the_documented_share_takes_stripes(seq, window, wl, gl, n, stri
     args = _megatron_args(seq_length=seq, context_parallel_size=n, num_layers=wl + gl, window_size=(window, 0),
                           window_attn_skip_freq=[1] * wl + [0] * gl)
     import striped_sp.megatron as sm
+    from striped_sp.plan.layouts import Striped
     from striped_sp.plan.window_choice import window_choice
 
-    chosen = window_choice(seq, n, window, wl, gl)[0]
+    chosen = window_choice(seq, n, window, wl, gl, striped=Striped)[0]
     assert sm.algo_of(args) == (f"striped:stripe={seq // (2 * n)},order=mirror" if chosen == "doc" else
                                 f"striped:stripe={chosen}" if chosen != 1 else "striped:stripe=1")
 
