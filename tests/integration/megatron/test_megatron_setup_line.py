@@ -71,7 +71,8 @@ def _args(**kw):
 
 @pytest.mark.parametrize("kw, layout, words", [
     (dict(striped_stripe_size="auto", sft=True), "striped:stripe=auto", "per packed batch"),
-    (dict(striped_stripe_size="auto", window_size=(1024, 0)), "striped:stripe=256", "stripes of 256 tokens"),  # W / 4
+    # under a window: the placement the cost model picks for 4 window layers (plan/window_choice.py)
+    (dict(striped_stripe_size="auto", window_size=(1024, 0)), "striped:stripe=4096", "stripes of 4096 tokens"),
     (dict(striped_stripe_size="auto"), "striped", stripe_policy("striped")),
     (dict(striped_stripe_size=1), "striped", stripe_policy("striped")),
     (dict(striped_stripe_size=4), "striped:stripe=4", "stripes of 4 tokens"),
@@ -82,6 +83,11 @@ def test_the_argument_dump_shows_what_auto_stands_for(kw, layout, words):
 
     args = _args(**kw)
     note_layout(args)
+    if args.window_size is not None:  # the row above names the cost model's choice: it is still its choice
+        from striped_sp.plan.layouts import Striped
+        from striped_sp.plan.window_choice import window_choice
+
+        assert window_choice(8192, 2, 1024, 4, 0, striped=Striped)[0] == 4096
     assert getattr(args, "striped_layout", None) == layout
     if words:
         assert words in args.striped_stripe_policy
