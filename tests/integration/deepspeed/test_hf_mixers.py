@@ -152,6 +152,7 @@ def _causal_lm_types():
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+@pytest.mark.release  # a sweep over every installed causal LM (make test-release); make test keeps the families
 def test_every_causal_lm_that_mixes_tokens_outside_attention_is_found():
     """Exact or refused by name, over the whole installed transformers: the probe decides which
     classes mix tokens outside attention; the rule must find every one of those (each then runs
