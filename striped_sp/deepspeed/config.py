@@ -2,12 +2,14 @@
 
 ```json
 {"sequence_parallel_size": 2, "context_parallel": {"algo": "striped", "backend": "auto", "timeout_s": 600,
-                                                    "stripe_size": 1, "doc_placement": "split"}}
+                                                    "stripe_size": 1, "doc_placement": "split", "order": "round"}}
 ```
 
 ``stripe_size`` (int >= 1, ``"doc"``: per-document stripes, or ``"auto"``: per batch the plan the
 cost model predicts fastest, :mod:`striped_sp.plan.search`) and ``doc_placement`` (``"split"``, ``"auto"`` or the longest document, an
-int >= 1, kept whole on one rank) are the striped layout's parameters
+int >= 1, kept whole on one rank) and ``order`` (``"round"``: stripe ``g`` to rank ``g mod N``, the
+paper's; ``"mirror"``: ranks ``0..N-1`` then ``N-1..0``, zigzag's order, with an integer ``stripe_size``)
+are the striped layout's parameters
 (:class:`striped_sp.plan.layouts.Striped`), for ``algo="striped"`` only; ``layout`` is then one key such
 as ``"striped:stripe=4,place=auto"`` that the data loader, the HF attention and
 ``DistributedAttention`` all take.
@@ -29,6 +31,7 @@ from typing import Any, Mapping
 from ..engine.ulysses import check_ulysses
 from ..kernels import BACKENDS
 from ..plan.layouts import ALGOS as LAYOUT_ALGOS, get_layout
+from ..plan.mirror import check_order
 from ..plan.placement import check_placement, check_stripe_size
 
 __all__ = ["SECTION", "ALGOS", "ContextParallelSettings", "parse_config", "load_config", "check_requested"]
@@ -60,6 +63,8 @@ class ContextParallelSettings:
     #: striped only, packed rows: ``"split"`` (every document striped), ``"auto"`` or an int (documents
     #: of at most that many tokens kept whole on one rank, dealt by a balancing solver); ``None``: the default
     doc_placement: str | int | None = None
+    #: striped only: ``"round"`` or ``"mirror"`` (:func:`~striped_sp.plan.mirror.check_order`); ``None``: round
+    order: str | None = None
     #: not a JSON key: the striped default's window hint, set from a transformers model's
     #: ``sliding_window`` and ``layer_types`` where the model is adapted (:mod:`.window_hint`):
     #: the window in tokens and one global layer in every ``global_every`` (``None``: none)
@@ -74,6 +79,10 @@ class ContextParallelSettings:
         ``"striped:stripe=4,place=auto"``, ``"striped:stripe=1"`` (pinned)."""
         if ALGOS[self.algo] != "striped":
             return ALGOS[self.algo]
+        if self.order == "mirror":  # "round" is what every striped layout does unless told
+            from ..plan.layouts import Striped
+
+            return Striped(stripe_size=self.stripe_size, doc_placement=self.doc_placement, order=self.order).key
         if self.stripe_size is None and self.doc_placement is None:
             if self.window is None:
                 return ALGOS[self.algo]
@@ -128,6 +137,7 @@ def _model_class():
             #: read "auto" as "the default", and "auto" is a placement of its own here)
             stripe_size: Union[str, int] = 1
             doc_placement: Union[str, int] = "split"
+            order: str = "round"
 
         _MODEL_CLASS = ContextParallelConfig
     return _MODEL_CLASS
@@ -217,7 +227,7 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
     if bad_keys:
         raise ValueError(f"{SECTION}: keys must be strings, got {bad_keys!r}")
     try:
-        model = _model_class()(**{k: v for k, v in section.items() if k not in ("doc_placement", "stripe_size")})
+        model = _model_class()(**{k: v for k, v in section.items() if k not in ("doc_placement", "stripe_size", "order")})
     except pydantic.ValidationError as err:
         raise ValueError(_describe(err)) from None
     u = int(model.ulysses_size)
@@ -230,10 +240,18 @@ def parse_config(config: Any, world_size: int | None = None) -> ContextParallelS
                             "a positive integer, 'doc' (per document: 2N stripes dealt to ranks 0..N-1, then back) "
                             "or 'auto' (per batch, the plan the cost model predicts fastest)")
     placement = _doc_placement(section, None)
-    _check_striped_keys(model.algo, stripe, placement)
-    return ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
-                                   ulysses_size=u, timeout_s=model.timeout_s, calibrate=model.calibrate, stripe_size=stripe,
-                                   doc_placement=placement)
+    order = _striped_value(section, "order", None, check_order,
+                           "'round' (stripe g to rank g mod N) or 'mirror' (ranks 0..N-1 then N-1..0, zigzag's order)")
+    _check_striped_keys(model.algo, stripe, placement, order)
+    settings = ContextParallelSettings(sequence_parallel_size=sp, algo=model.algo, backend=model.backend,
+                                       ulysses_size=u, timeout_s=model.timeout_s, calibrate=model.calibrate,
+                                       stripe_size=stripe, doc_placement=placement, order=order)
+    if order is not None and ALGOS[model.algo] == "striped":
+        try:  # the plan's rule: mirrored stripes need an int stripe size
+            settings.layout
+        except ValueError as err:
+            raise ValueError(f"{SECTION}.order={order!r} with {SECTION}.stripe_size={stripe!r}: {err}") from None
+    return settings
 
 
 def _striped_value(section: Mapping, key: str, default, check, rule: str):
@@ -254,13 +272,18 @@ def _doc_placement(section: Mapping, default=None):
                           "'split', 'auto' or a positive integer (the longest document kept whole on one rank)")
 
 
-def _check_striped_keys(algo: str, stripe_size: int, placement) -> None:
-    """``stripe_size`` / ``doc_placement`` are parameters of the striped layout: refused with another algo
-    (the plan's rule, :func:`striped_sp.plan.layouts.get_layout`)."""
-    for key, value, neutral in (("stripe_size", stripe_size, 1), ("doc_placement", placement, "split")):
+def _check_striped_keys(algo: str, stripe_size: int, placement, order=None) -> None:
+    """``stripe_size`` / ``doc_placement`` / ``order`` are parameters of the striped layout: refused with
+    another algo (the plan's rule, :func:`striped_sp.plan.layouts.get_layout`)."""
+    for key, value, neutral in (("stripe_size", stripe_size, 1), ("doc_placement", placement, "split"),
+                                ("order", order, "round")):
         if value is None or (value == neutral and ALGOS[algo] != "striped"):  # not given, or what any layout does
             continue
         try:
+            if key == "order":
+                if ALGOS[algo] != "striped":
+                    raise ValueError("only 'striped' takes stripe / place / window / order parameters")
+                continue
             get_layout(ALGOS[algo], **{key: value})
         except ValueError as err:
             raise ValueError(f"{SECTION}.{key}={value!r} applies to {SECTION}.algo='striped' only, not "

@@ -58,7 +58,7 @@ def with_model_window(settings: ContextParallelSettings, model) -> ContextParall
     """``settings`` with the window hint of ``model`` where they run the striped default (no
     ``stripe_size`` or ``doc_placement`` given) with SP on; else ``settings`` unchanged."""
     if (not settings.enabled or ALGOS[settings.algo] != "striped" or settings.stripe_size is not None
-            or settings.doc_placement is not None or model is None):
+            or settings.doc_placement is not None or settings.order == "mirror" or model is None):
         return settings
     hint = model_window(model)
     if hint is None:

@@ -1,6 +1,7 @@
 """DeepSpeed adapter, no processes: the config section, the data adapter, argument checks."""
 
 import json
+import re
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -297,6 +298,23 @@ def test_zero_settings_that_conflict_with_sp_are_refused():
                         ({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}, "mics_shard_size=4")]:
         with pytest.raises(ValueError, match=match):
             check_sequence_parallel_settings(_sp2_config(**over))
+
+
+def test_config_order_mirror_makes_zigzags_order_a_striped_layout():
+    """``order`` (issue 57): "mirror" deals stripes to ranks 0..N-1 then N-1..0; refused by name without an int
+    stripe size or with another algo; "round" is the default's own order."""
+    mirror = parse_config({"context_parallel": {"stripe_size": 4, "order": "mirror"}})
+    assert mirror.layout == "striped:stripe=4,order=mirror"
+    assert torch.equal(positions(32, 2, 0, mirror.layout), torch.tensor([0, 1, 2, 3, 12, 13, 14, 15,
+                                                                                    16, 17, 18, 19, 28, 29, 30, 31]))
+    assert parse_config({"context_parallel": {"order": "round"}}).layout == "striped"
+    assert parse_config({"context_parallel": {"stripe_size": 1, "order": "round"}}).layout == "striped:stripe=1"
+    for section, words in (({"order": "snake"}, "context_parallel.order='snake' must be 'round'"),
+                           ({"order": "mirror"}, "context_parallel.order='mirror' with context_parallel.stripe_size=None"),
+                           ({"stripe_size": "doc", "order": "mirror"}, "needs an int stripe size"),
+                           ({"algo": "zigzag", "order": "mirror"}, "applies to context_parallel.algo='striped' only")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            parse_config({"context_parallel": section})
 
 
 def test_config_stripe_size_auto_searches_stripes_and_placement():
