@@ -177,6 +177,8 @@ class HFRunner(Runner):
         section = {"algo": {name: algo for algo, name in ALGOS.items()}[lay.name]}  # the section's algo name
         if lay.key != lay.name:  # a layout's parameters (stripe size, placement) are keys of the section
             section.update(stripe_size=lay.stripe_size, doc_placement=lay.doc_placement)
+            if getattr(lay, "order", "round") == "mirror":  # zigzag's order as stripes (issue 57)
+                section["order"] = "mirror"
         model = _hf_model(cfg, row, dtype, "sdpa")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         self.engine, _, _, _ = ssd.initialize(model=model, optimizer=opt,
